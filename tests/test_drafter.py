@@ -1,0 +1,178 @@
+"""Drafter forward, chunked KL loss, partitioned == unpartitioned gradients, drafting with a KV cache."""
+
+import pytest
+import torch
+
+from peagle_ray.drafter.model import DraftCache, DrafterArch
+from peagle_ray.train.elements import Elements, cod_sample
+from peagle_ray.train.loss import kl_loss, kl_loss_reference
+from peagle_ray.train.masks import attention_mask
+from peagle_ray.train.step import element_weights, mask_function, sequence_backward
+from tests.drafter_helpers import DRAFT_VOCAB, HIDDEN, random_sequence, tiny_arch, tiny_drafter
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_arch_validates_its_fields():
+    with pytest.raises(ValueError, match="mask_token_id is required for algorithm 'peagle'; got None"):
+        tiny_arch(mask_token_id=None)
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in 1\.\.37; got 40"):
+        tiny_arch(draft_vocab_size=40)
+    arch = tiny_arch("eagle3", num_layers=2)
+    assert DrafterArch.from_json(arch.to_json()) == arch
+
+
+def test_weight_names_follow_the_speculators_layout():
+    drafter, _ = tiny_drafter(tiny_arch(num_layers=2))
+    shapes = {n: tuple(t.shape) for n, t in drafter.state_dict().items()}
+    assert shapes["embed_tokens.weight"] == (37, 24)
+    assert shapes["fc.weight"] == (24, 72)
+    assert shapes["layers.0.self_attn.q_proj.weight"] == (24, 48)  # layer 0 reads [embedding; hidden]
+    assert shapes["layers.1.self_attn.q_proj.weight"] == (24, 24)
+    assert shapes["layers.0.self_attn.k_proj.weight"] == (8, 48)
+    assert "layers.0.hidden_norm.weight" in shapes and "layers.1.hidden_norm.weight" not in shapes
+    assert shapes["lm_head.weight"] == (29, 24)
+    assert shapes["mask_hidden"] == (1, 1, 72)
+    assert shapes["d2t"] == (29,) and shapes["t2d"] == (37,)
+    assert drafter.embed_tokens.weight.requires_grad  # P-EAGLE learns the mask token's embedding
+    eagle3, _ = tiny_drafter(tiny_arch("eagle3"))
+    assert not eagle3.embed_tokens.weight.requires_grad and not hasattr(eagle3, "mask_hidden")
+
+
+def test_element_weights_average_each_depth_then_the_depths():
+    seq = random_sequence([6], supervised_from=0)
+    elements = Elements(torch.tensor([0, 1, 2, 0]), torch.tensor([0, 0, 0, 1]))
+    assert element_weights(elements, seq, 2, None).tolist() == pytest.approx([1 / 6, 1 / 6, 1 / 6, 1 / 2])
+    assert element_weights(elements, seq, 2, [3.0, 1.0]).tolist() == pytest.approx([1 / 4, 1 / 4, 1 / 4, 1 / 4])
+
+
+def test_chunked_kl_equals_the_plain_loss_in_value_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    _, teacher = tiny_drafter(tiny_arch())
+    x = torch.randn(11, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(DRAFT_VOCAB, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(11, HIDDEN, generator=g, dtype=torch.float64)
+    weights = torch.rand(11, generator=g, dtype=torch.float64)
+    loss, kl, correct = kl_loss(x, w, t, teacher, weights, chunk=4)
+    loss.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    reference = kl_loss_reference(x, w, t, teacher, weights)
+    reference.backward()
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+    assert (kl >= 0).all() and correct.dtype == torch.bool
+
+
+def test_kl_is_zero_when_draft_equals_target():
+    _, teacher = tiny_drafter(tiny_arch())
+    t = torch.randn(5, HIDDEN, dtype=torch.float64)
+    loss, kl, correct = kl_loss(teacher.normed(t), teacher.head, t, teacher, torch.ones(5, dtype=torch.float64))
+    assert float(loss) == pytest.approx(0.0, abs=1e-12) and correct.all()
+
+
+CASES = [
+    # (algorithm, layers, document lengths, boundaries to try)
+    ("peagle", 1, [31], [[0, 30], [0, 15, 30], [0, 4, 5, 21, 30], [0, 1, 2, 3, 29, 30]]),
+    ("peagle", 2, [12, 9, 13], [[0, 31], [0, 10, 20, 31], [0, 11, 12, 31]]),
+    ("eagle3", 1, [31], [[0, 30], [0, 15, 30], [0, 4, 5, 21, 30]]),
+    ("eagle3", 2, [12, 9, 13], [[0, 31], [0, 10, 20, 31], [0, 11, 12, 31]]),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "layers", "docs", "splits"), CASES)
+def test_partitioned_step_equals_the_unpartitioned_step(algorithm, layers, docs, splits):
+    arch = tiny_arch(algorithm, num_layers=layers, num_depths=4)
+    seq = random_sequence(docs)
+    elements = cod_sample(seq.supervised, seq.doc_ids, 4, 0.7, 0.2, torch.Generator().manual_seed(1))
+    assert int(elements.depth.max()) == 3
+    drafter, teacher = tiny_drafter(arch)
+    whole = sequence_backward(drafter, teacher, seq, elements, 10**6, None, boundaries=splits[0])
+    assert whole.segments == 1
+    expected = grads(drafter)
+    for boundaries in splits[1:]:
+        drafter.zero_grad(set_to_none=True)
+        parts = sequence_backward(drafter, teacher, seq, elements, 10**6, None, boundaries=boundaries)
+        assert parts.segments == len(boundaries) - 1
+        assert parts.loss == pytest.approx(whole.loss, rel=1e-12)
+        assert parts.depth_correct == whole.depth_correct and parts.depth_count == whole.depth_count
+        got = grads(drafter)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], msg=f"{name} with boundaries {boundaries}")
+
+
+def test_balanced_partition_equals_unpartitioned_with_depth_weights():
+    arch = tiny_arch("peagle", num_layers=1, num_depths=4)
+    seq = random_sequence([40, 25])
+    elements = cod_sample(seq.supervised, seq.doc_ids, 4, 0.7, 0.2, torch.Generator().manual_seed(2))
+    drafter, teacher = tiny_drafter(arch)
+    whole = sequence_backward(drafter, teacher, seq, elements, 10**6, [1.0, 0.8, 0.6, 0.4])
+    expected = grads(drafter)
+    drafter.zero_grad(set_to_none=True)
+    parts = sequence_backward(drafter, teacher, seq, elements, 40, [1.0, 0.8, 0.6, 0.4])
+    assert parts.segments >= 3
+    assert parts.loss == pytest.approx(whole.loss, rel=1e-12)
+    for name, g in grads(drafter).items():
+        torch.testing.assert_close(g, expected[name])
+
+
+def test_flex_attention_forward_equals_sdpa():
+    """The GPU path (flex attention + BlockMask) computes the same outputs; forward only (CPU)."""
+    arch = tiny_arch("peagle", num_layers=2, num_depths=3)
+    seq = random_sequence([20, 17], dtype=torch.float32)
+    elements = cod_sample(seq.supervised, seq.doc_ids, 3, 0.7, 0.2, torch.Generator().manual_seed(0))
+    drafter, _ = tiny_drafter(arch, dtype=torch.float32)
+    with torch.no_grad():
+        dense = drafter.forward_elements(seq.tokens, seq.hidden, elements, mask_function(elements, seq.doc_ids, False), 0)
+        flex = drafter.forward_elements(seq.tokens, seq.hidden, elements, mask_function(elements, seq.doc_ids, True), 0)
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+
+
+def reference_chain_logits(drafter, tokens, aux, k):
+    """Logits of the chain anchored at the last position, from the training forward (no cache)."""
+    n = tokens.shape[0]
+    elements = Elements.cat([Elements(torch.arange(n), torch.zeros(n, dtype=torch.long)),
+                             Elements(torch.full((k - 1,), n - 1), torch.arange(1, k))])  # fmt: skip
+    one_doc = torch.zeros(n + k, dtype=torch.long)
+    mask_fn = lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), one_doc)  # noqa: E731
+    with torch.no_grad():
+        out = drafter.forward_elements(tokens, aux, elements, mask_fn)
+    return drafter.logits(out[n - 1 :])
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_peagle_propose_with_cache_equals_the_training_forward(layers):
+    drafter, _ = tiny_drafter(tiny_arch("peagle", num_layers=layers, num_depths=4))
+    seq = random_sequence([20])
+    cache = DraftCache(layers)
+    drafter.propose(cache, seq.tokens[:12], seq.hidden[:12], 4)  # prefill, first proposal
+    assert cache.length == 12
+    draft = drafter.propose(cache, seq.tokens[12:17], seq.hidden[12:17], 4)  # 5 accepted/new positions
+    assert cache.length == 17
+    expected = reference_chain_logits(drafter, seq.tokens[:17], seq.hidden[:17], 4).argmax(-1)
+    assert draft.tolist() == (expected + drafter.d2t[expected]).tolist()
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_eagle3_propose_with_cache_equals_the_training_forward(layers):
+    k = 4
+    drafter, _ = tiny_drafter(tiny_arch("eagle3", num_layers=layers, num_depths=k))
+    seq = random_sequence([20])
+    cache = DraftCache(layers)
+    drafter.propose(cache, seq.tokens[:9], seq.hidden[:9], k)
+    draft = drafter.propose(cache, seq.tokens[9:15], seq.hidden[9:15], k)
+    # training-time test feeds the true next tokens; feed the drafted ones to compare
+    tokens = torch.cat([seq.tokens[:15], draft[: k - 1]])
+    n = 15
+    elements = Elements.cat([Elements(torch.arange(n), torch.zeros(n, dtype=torch.long))]
+                            + [Elements(torch.tensor([n - 1]), torch.tensor([d])) for d in range(1, k)])  # fmt: skip
+    one_doc = torch.zeros(n + k, dtype=torch.long)
+    mask_fn = lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), one_doc)  # noqa: E731
+    with torch.no_grad():
+        out = drafter.forward_elements(tokens, seq.hidden[:n], elements, mask_fn)
+    expected = drafter.logits(out[n - 1 :]).argmax(-1)
+    assert draft.tolist() == (expected + drafter.d2t[expected]).tolist()

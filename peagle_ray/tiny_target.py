@@ -36,9 +36,9 @@ _CORPUS_MODULES = [
 
 @dataclass(frozen=True)
 class TinyTargetSpec:
-    """Shape of the tiny target. Defaults: 5 layers, hidden 96 (3 heads x 32), 1 KV head."""
+    """Shape of the tiny target. Defaults: 6 layers, hidden 96 (3 heads x 32), 1 KV head."""
 
-    num_layers: int = 5
+    num_layers: int = 6
     num_heads: int = 3
     num_kv_heads: int = 1
     head_dim: int = 32

@@ -13,5 +13,5 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
-    """HF directory of a random 5-layer Llama (hidden 96, vocab 516) with a locally trained tokenizer."""
+    """HF directory of a random 6-layer Llama (hidden 96, vocab 516) with a locally trained tokenizer."""
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))

@@ -36,8 +36,8 @@ def test_bad_config_exits_2_naming_the_field(capsys):
 def test_target_info_reads_the_tiny_target(tiny_target):
     result = run_cli("target", "info", str(tiny_target))
     assert result.returncode == 0, result.stderr
-    assert "llama, 5 layers, hidden 96" in result.stdout
-    assert "default aux layers [2, 2, 4]" in result.stdout
+    assert "llama, 6 layers, hidden 96" in result.stdout
+    assert "default aux layers [2, 3, 5]" in result.stdout
 
 
 def test_target_info_on_a_non_model_dir_fails_clearly(tmp_path):

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.model import Drafter, DrafterArch
+from peagle_ray.drafter.vocab import MaskToken, draft_vocabulary, resolve_mask_token
 from peagle_ray.train.loss import Teacher
 
 
@@ -94,3 +95,23 @@ def build_drafter(target_dir: Path, arch: DrafterArch, d2t: torch.Tensor, t2d: t
         drafter.t2d.copy_(t2d)
     teacher = Teacher(norm.float(), lm_head[draft_rows].float(), arch.rms_norm_eps)
     return drafter, teacher
+
+
+def drafter_for_target(target_dir: Path, drafter_cfg: DrafterConfig, token_counts: torch.Tensor | None,
+                       num_aux: int, generator: torch.Generator, tokenizer=None) -> tuple[Drafter, Teacher, MaskToken | None]:  # fmt: skip
+    """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights.
+
+    `tokenizer` defaults to the target's; when the mask token has to be added it is added to this object.
+    """
+    from transformers import AutoTokenizer
+
+    info_vocab = _text_config(target_dir)["vocab_size"]
+    mask = None
+    if drafter_cfg.algorithm == "peagle":
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
+        mask = resolve_mask_token(tokenizer, info_vocab, drafter_cfg.mask_token_id)
+    counts = token_counts if token_counts is not None else torch.ones(info_vocab)
+    d2t, t2d = draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
+    arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
+    drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator)
+    return drafter, teacher, mask

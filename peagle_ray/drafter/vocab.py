@@ -58,8 +58,11 @@ def resolve_mask_token(tokenizer, vocab_size: int, explicit: int | None = None) 
         return MaskToken(tokenizer.mask_token_id, f"tokenizer mask token {tokenizer.mask_token!r}")
     tried.append("the tokenizer's mask token (none)")
     if len(tokenizer) < vocab_size:
+        before = len(tokenizer)
         tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
-        return MaskToken(tokenizer.mask_token_id, f"added {MASK_TOKEN} in unused embedding row")
+        added = tokenizer.mask_token_id >= before
+        how = f"added {MASK_TOKEN} in unused embedding row" if added else f"existing {MASK_TOKEN} token"
+        return MaskToken(tokenizer.mask_token_id, how)
     tried.append(f"an unused embedding row (len(tokenizer) = {len(tokenizer)} >= vocab_size = {vocab_size})")
     for name in ("pad", "eos", "unk"):
         token_id = getattr(tokenizer, f"{name}_token_id")

@@ -1,0 +1,97 @@
+"""The drafter built from a real (tiny) target directory, trained on hidden states the target produced."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from peagle_ray.capture.reference import hf_hidden_states
+from peagle_ray.config import build_config
+from peagle_ray.drafter.build import drafter_for_target, target_head
+from peagle_ray.drafter.vocab import count_tokens
+from peagle_ray.target import read_target_info
+from peagle_ray.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle_ray.train.elements import TrainSequence
+from peagle_ray.train.step import train_loop
+
+CONVERSATIONS = [
+    ("How do I read a file?", "Use open(path) and call read() on it; the with statement closes it for you."),
+    ("What is a socket?", "A socket is one endpoint of a two-way network connection between programs."),
+    ("Sort a list.", "Call sorted(items) for a new list, or items.sort() to sort the list in place."),
+]
+
+
+@pytest.fixture(scope="module")
+def records(tiny_target):
+    """(input_ids, loss_mask, aux, last) per conversation; loss mask = the assistant reply's tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    aux_ids = read_target_info(tiny_target).default_aux_layer_ids()
+    out = []
+    for user, assistant in CONVERSATIONS:
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        render = lambda m, **kw: tokenizer(tokenizer.apply_chat_template(m, tokenize=False, **kw),  # noqa: E731
+                                           add_special_tokens=False)["input_ids"]  # fmt: skip
+        prompt, full = render(messages[:1], add_generation_prompt=True), render(messages)
+        ids = torch.tensor(full)
+        loss_mask = torch.zeros(len(full), dtype=torch.bool)
+        loss_mask[len(prompt) :] = True
+        aux, last = hf_hidden_states(model, ids, aux_ids)
+        out.append((ids, loss_mask, aux, last))
+    return out
+
+
+def make(tiny_target, records, **drafter):
+    cfg = build_config({"drafter": {"num_depths": 3, "draft_vocab_size": 64, **drafter},
+                        "training": {"learning_rate": 3e-3, "warmup_steps": 2, "max_steps": 12,
+                                     "segment_length": 40, "sequences_per_step": 2}})  # fmt: skip
+    counts = count_tokens([(ids, mask) for ids, mask, _, _ in records], read_target_info(tiny_target).vocab_size)
+    drafter_model, teacher, mask = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
+    return cfg, drafter_model, teacher, mask
+
+
+def test_teacher_logits_are_the_targets_logits_on_draft_rows(tiny_target, records):
+    _, drafter, teacher, _ = make(tiny_target, records)
+    ids, _, _, last = records[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        target_logits = model(ids[None]).logits[0]
+    draft_rows = torch.arange(64) + drafter.d2t
+    torch.testing.assert_close(teacher.normed(last) @ teacher.head.T, target_logits[:, draft_rows], atol=1e-4, rtol=1e-4)
+
+
+def test_drafter_takes_embeddings_and_head_rows_from_the_target(tiny_target, records):
+    _, drafter, _, mask = make(tiny_target, records)
+    embed, lm_head, _ = target_head(tiny_target)
+    assert torch.equal(drafter.embed_tokens.weight, embed)
+    assert torch.equal(drafter.lm_head.weight, lm_head[torch.arange(64) + drafter.d2t])
+    assert not torch.equal(lm_head, embed)  # the tiny target is untied
+    assert mask.source == "tokenizer mask token '<|MASK|>'"
+    assert drafter.arch.draft_vocab_size == 64 and int(drafter.t2d.sum()) == 64
+
+
+def test_tied_target_head_is_its_embedding(tmp_path):
+    tied = build_tiny_target(tmp_path, TinyTargetSpec(num_layers=4, tie_embeddings=True))
+    embed, lm_head, _ = target_head(tied)
+    assert torch.equal(embed, lm_head)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_a_few_steps_reduce_the_loss(tiny_target, records, algorithm):
+    cfg, drafter, teacher, _ = make(tiny_target, records, algorithm=algorithm)
+    sequences = [TrainSequence.from_record(*r) for r in records]
+    history = train_loop(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1))
+    losses = [h.loss for h in history]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    assert history[-1].segments >= 2  # segment_length 40 splits these sequences
+
+
+def test_pinned_loss_trajectory(tiny_target, records):
+    """Fixed seeds, fixed init, fixed data: the first steps' losses are pinned (catches silent changes)."""
+    cfg, drafter, teacher, _ = make(tiny_target, records)
+    sequences = [TrainSequence.from_record(*r) for r in records]
+    history = train_loop(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1), steps=4)
+    assert [round(h.loss, 4) for h in history] == pytest.approx(PINNED, abs=2e-4)
+
+
+PINNED = [1.0597, 0.7509, 0.7009, 0.5987]

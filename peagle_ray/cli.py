@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
 
 EXIT_NOT_BUILT = 3
+BENCH_NOT_BUILT = ["capture", "train", "e2e", "load"]
 
 SUBCOMMANDS = {
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
@@ -69,6 +71,66 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_json(result: dict, path: Path | None) -> None:
+    text = json.dumps(result, indent=2)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(text)
+
+
+def _cmd_bench_draft_latency(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import draft_latency
+
+    vocab = None if args.draft_vocab_size == 0 else args.draft_vocab_size
+    _write_json(draft_latency.run(vocab, args.max_k, args.context, args.repeats, args.target), args.json)
+    return 0
+
+
+def _cmd_bench_train_memory(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import train_memory
+
+    result = train_memory.run(tuple(args.seq_lens), tuple(args.depths), args.segment_length, args.draft_vocab_size,
+                              args.memory_limit_gb, progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    _write_json(result, args.json)
+    return 0
+
+
+def _cmd_bench_mask(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import mask
+
+    _write_json(mask.run(tuple(args.max_positions), args.depths, args.steps), args.json)
+    return 0
+
+
+def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
+    kinds = sub.add_subparsers(dest="kind", metavar="kind", required=True)
+    latency = kinds.add_parser("draft-latency", help="Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.")
+    latency.add_argument("--draft-vocab-size", type=int, default=32768, help="0 = the full target vocabulary.")
+    latency.add_argument("--max-k", type=int, default=8)
+    latency.add_argument("--context", type=int, default=256, help="Positions already in the drafter's KV cache.")
+    latency.add_argument("--repeats", type=int, default=30)
+    latency.add_argument("--target", type=Path, help="Take the drafter's shape from this target (default: SmolLM2's).")
+    latency.set_defaults(func=_cmd_bench_draft_latency)
+    memory = kinds.add_parser("train-memory", help="Peak RSS and tokens/s of one training step, with and without "
+                                                   "sequence partitioning, each in a fresh subprocess.")  # fmt: skip
+    memory.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
+    memory.add_argument("--depths", type=int, nargs="+", default=[4, 8])
+    memory.add_argument("--segment-length", type=int, default=2048, help="Elements per partition segment.")
+    memory.add_argument("--draft-vocab-size", type=int, default=32768)
+    memory.add_argument("--memory-limit-gb", type=float, default=18.0, help="Stop a configuration past this RSS.")
+    memory.set_defaults(func=_cmd_bench_train_memory)
+    masks = kinds.add_parser("mask", help="Attention-mask time per step: amortized (built once, sliced) vs rebuilt.")
+    masks.add_argument("--max-positions", type=int, nargs="+", default=[1024, 2048, 4096])
+    masks.add_argument("--depths", type=int, default=4)
+    masks.add_argument("--steps", type=int, default=10)
+    masks.set_defaults(func=_cmd_bench_mask)
+    for kind in BENCH_NOT_BUILT:
+        kinds.add_parser(kind, help="Not built yet.").set_defaults(func=_not_built(f"bench {kind}"))
+    for parser in (latency, memory, masks):
+        parser.add_argument("--json", type=Path, help="Also write the result to this JSON file.")
+
+
 def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"peagle-ray {name}: not built yet; this subcommand has no implementation in this version.",
@@ -100,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
             info = actions.add_parser("info", help="Print what peagle-ray reads from a target directory.")
             info.add_argument("path", type=Path, help="HF model directory.")
             info.set_defaults(func=_cmd_target_info)
+        elif name == "bench":
+            _add_bench_commands(sub)
         elif name == "demo":
             _add_config_args(sub)
             sub.set_defaults(func=_cmd_demo)

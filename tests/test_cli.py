@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -22,10 +23,29 @@ def test_help_lists_every_subcommand():
     assert sorted(SUBCOMMANDS) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("name", ["data", "train", "export", "eval", "serve", "bench"])
-def test_unbuilt_subcommand_exits_non_zero(name, capsys):
-    assert main([name]) == EXIT_NOT_BUILT
+@pytest.mark.parametrize("args", [["data"], ["train"], ["export"], ["eval"], ["serve"], ["bench", "e2e"]])
+def test_unbuilt_subcommand_exits_non_zero(args, capsys):
+    assert main(args) == EXIT_NOT_BUILT
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_bench_mask_writes_json(tmp_path):
+    out = tmp_path / "mask.json"
+    result = run_cli("bench", "mask", "--max-positions", "64", "128", "--steps", "3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["max_positions"] for r in rows] == [64, 128]
+    assert all(r["rebuilt_ms_per_step"] > 0 and r["amortized_ms_per_step"] > 0 for r in rows)
+
+
+def test_bench_draft_latency_writes_json(tmp_path, tiny_target):
+    out = tmp_path / "latency.json"
+    result = run_cli("bench", "draft-latency", "--target", str(tiny_target), "--draft-vocab-size", "0",
+                     "--max-k", "3", "--repeats", "3", "--context", "16", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["hidden_size"] == 96 and data["layers"] == 1
+    assert set(data["ms"]) == {"peagle", "eagle3"} and list(data["ms"]["peagle"]) == ["1", "2", "3"]
 
 
 def test_bad_config_exits_2_naming_the_field(capsys):

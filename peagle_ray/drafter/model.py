@@ -218,8 +218,17 @@ class Drafter(nn.Module):
         return x + residual, new_kv
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """(E, H) pre-norm hidden -> (E, DV) draft-vocabulary logits."""
-        return self.lm_head(self.norm(prenorm))
+        """(E, H) pre-norm hidden -> (E, DV) draft-vocabulary logits.
+
+        Written as W @ x^T: for the few rows of a draft step, the CPU GEMM is 3-6x faster in this
+        orientation than x @ W^T, and a single row is padded to two because the one-column product takes a
+        ~3x slower matrix-vector kernel (measured for E = 1..8, H = 576, DV = 32768; `bench draft-latency`).
+        Both algorithms share this, so EAGLE-3's one-row steps get the fast kernel too.
+        """
+        x = self.norm(prenorm)
+        if x.shape[0] == 1:
+            return (self.lm_head.weight @ x.repeat(2, 1).T).T[:1]
+        return (self.lm_head.weight @ x.T).T
 
     def _mask_inputs(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and aux hidden of `count` P-EAGLE mask slots."""

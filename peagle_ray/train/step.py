@@ -106,21 +106,30 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
     stats = StepStats(depth_kl=[0.0] * k, depth_correct=[0] * k, depth_count=[0] * k,
                       segments=len(segments), elements=len(elements), positions=seq.num_positions)  # fmt: skip
     for segment in segments:
-        seg_elements = segment.elements
         own_index = index_of[key(segment.own)]
+        rows = trained[own_index]  # only trained elements reach the loss; the rest have zero gradient
+        if not rows.any():
+            continue
         dense = dense_mask if len(segments) == 1 else None
-        mask_fn = mask_function(seg_elements, seq.doc_ids, use_flex, dense)
-        out = drafter.forward_elements(seq.tokens, seq.hidden, seg_elements, mask_fn, len(segment.context))
-        loss, kl, correct = kl_loss(drafter.norm(out), drafter.lm_head.weight, seq.teacher_hidden[segment.own.position],
-                                    teacher, weights[own_index].to(out.dtype), loss_chunk)  # fmt: skip
+        mask_fn = mask_function(segment.elements, seq.doc_ids, use_flex, dense)
+        out = drafter.forward_elements(seq.tokens, seq.hidden, segment.elements, mask_fn, len(segment.context))
+        own = segment.own.select(rows)
+        loss, kl, correct = kl_loss(drafter.norm(out[rows]), drafter.lm_head.weight, seq.teacher_hidden[own.position],
+                                    teacher, weights[own_index[rows]].to(out.dtype), loss_chunk)  # fmt: skip
         loss.backward()
         stats.loss += float(loss.detach())
-        seg_trained = trained[own_index]
-        depth = segment.own.depth[seg_trained]
-        stats.depth_kl = [a + b for a, b in zip(stats.depth_kl, torch.bincount(depth, kl[seg_trained].double(), k).tolist())]
-        stats.depth_correct = [a + int(b) for a, b in zip(stats.depth_correct, torch.bincount(depth, correct[seg_trained].long(), k))]
-        stats.depth_count = [a + int(b) for a, b in zip(stats.depth_count, torch.bincount(depth, minlength=k))]
+        _accumulate(stats, own.depth, kl, correct, k)
     return stats
+
+
+def _accumulate(stats: StepStats, depth: torch.Tensor, kl: torch.Tensor, correct: torch.Tensor, k: int) -> None:
+    """Add per-depth KL sums, correct counts and element counts of trained elements to `stats`."""
+    kl_sum = torch.bincount(depth, kl.double(), k).tolist()
+    correct_sum = torch.bincount(depth, correct.long(), k).tolist()
+    count = torch.bincount(depth, minlength=k).tolist()
+    stats.depth_kl = [a + b for a, b in zip(stats.depth_kl, kl_sum)]
+    stats.depth_correct = [a + int(b) for a, b in zip(stats.depth_correct, correct_sum)]
+    stats.depth_count = [a + b for a, b in zip(stats.depth_count, count)]
 
 
 def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator,
@@ -128,7 +137,9 @@ def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: t
     """Fresh COD sampling, or the amortized fixed sampling with its pre-built mask."""
     if amortized is not None:
         elements, mask = amortized.for_length(seq.num_positions, seq.doc_ids)
-        order = torch.argsort(elements.depth, stable=True)  # depth-major, as the forward expects
+        if drafter_cfg.algorithm == "peagle":  # one forward over all depths: any element order works
+            return elements, mask
+        order = torch.argsort(elements.depth, stable=True)  # EAGLE-3 runs depth by depth: depth-major
         return elements.select(order), mask[order][:, order]
     elements = cod_sample(seq.supervised, seq.doc_ids, drafter_cfg.num_depths, drafter_cfg.cod_keep_ratio,
                           drafter_cfg.cod_min_ratio, generator)  # fmt: skip

@@ -1,0 +1,51 @@
+"""`peagle-ray bench draft-latency`: median time of one draft proposal, K = 1..8, both algorithms.
+
+A decode step after a 256-token context: one new position (the token the target just sampled) plus the
+draft. P-EAGLE drafts K tokens in one forward, so its time should stay flat in K; EAGLE-3 runs K forwards.
+Measured in bfloat16 (how drafters are served on GPUs; this CPU has AVX512-BF16) and float32. In float32
+the K-row lm_head product (K x 576 x 32768) is compute-bound on 2 cores and grows with K; in bfloat16 it
+stays memory-bound and flat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from peagle_ray.bench.shapes import bench_arch, random_drafter
+from peagle_ray.drafter.model import DraftCache
+
+
+def proposal_ms(algorithm: str, k: int, draft_vocab_size: int | None, context: int, repeats: int,
+                target: Path | None, dtype: torch.dtype) -> float:  # fmt: skip
+    arch = bench_arch(algorithm, k, draft_vocab_size, target=target)
+    drafter, _ = random_drafter(arch)
+    drafter.to(dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size - 1, (context + repeats + 3,), generator=g)
+    hidden = torch.randn(context + repeats + 3, arch.num_aux * arch.hidden_size, generator=g).to(dtype)
+    cache = DraftCache(arch.num_layers)
+    drafter.propose(cache, tokens[:context], hidden[:context], k)  # prefill
+    times = []
+    for i in range(repeats + 3):
+        p = context + i
+        start = time.perf_counter()
+        drafter.propose(cache, tokens[p : p + 1], hidden[p : p + 1], k)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[3:])  # first calls warm up allocators
+
+
+def run(draft_vocab_size: int | None = 32768, max_k: int = 8, context: int = 256, repeats: int = 30,
+        target: Path | None = None) -> dict:  # fmt: skip
+    arch = bench_arch("peagle", 1, draft_vocab_size, target=target)
+    result = {"hidden_size": arch.hidden_size, "layers": arch.num_layers, "draft_vocab_size": arch.draft_vocab_size,
+              "context": context, "threads": torch.get_num_threads(), "dtype": "bfloat16"}  # fmt: skip
+    for key, dtype in (("ms", torch.bfloat16), ("ms_float32", torch.float32)):
+        ms = {a: {str(k): round(proposal_ms(a, k, draft_vocab_size, context, repeats, target, dtype), 3)
+                  for k in range(1, max_k + 1)} for a in ("peagle", "eagle3")}  # fmt: skip
+        result[key] = ms
+        result[f"ratio_k{max_k}_over_k1" + key.removeprefix("ms")] = {a: round(ms[a][str(max_k)] / ms[a]["1"], 3) for a in ms}
+    return result

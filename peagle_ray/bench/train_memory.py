@@ -1,0 +1,90 @@
+"""`peagle-ray bench train-memory`: peak memory and tokens/s of one training step, each configuration in a
+fresh subprocess (so peaks do not mix), with and without sequence partitioning.
+
+The drafter has the SmolLM2 shape (H=576, 1 layer, draft vocabulary 32768, float32); the sequence is N
+positions of random hidden states, every position supervised, COD 0.7 / 0.2. tokens/s counts base
+positions (N) per second of the second step (the first warms up). A configuration whose process passes
+`memory_limit_gb` is stopped and reported as such rather than taking the machine down.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import psutil
+import torch
+
+from peagle_ray.bench.shapes import bench_arch, random_drafter
+from peagle_ray.config import DrafterConfig
+from peagle_ray.train.elements import TrainSequence, cod_sample
+from peagle_ray.train.step import sequence_backward
+
+UNPARTITIONED = 10**9  # a segment length no sequence reaches
+
+
+def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, draft_vocab_size: int) -> dict:
+    """Run in the child process: two steps, report the second's time and the process's peak RSS."""
+    arch = bench_arch("peagle", depths, draft_vocab_size)
+    drafter, teacher = random_drafter(arch)
+    g = torch.Generator().manual_seed(0)
+    t = seq_len + 1
+    seq = TrainSequence.from_record(torch.randint(0, arch.vocab_size - 1, (t,), generator=g), torch.ones(t),
+                                    torch.randn(t, 3 * arch.hidden_size, generator=g),
+                                    torch.randn(t, arch.hidden_size, generator=g))  # fmt: skip
+    seq = TrainSequence(seq.tokens, seq.hidden, seq.teacher_hidden, torch.ones(seq_len, dtype=torch.bool), seq.doc_ids)
+    cfg = DrafterConfig(num_depths=depths)
+    timings = []
+    for _ in range(2):
+        elements = cod_sample(seq.supervised, seq.doc_ids, depths, cfg.cod_keep_ratio, cfg.cod_min_ratio, g)
+        drafter.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        stats = sequence_backward(drafter, teacher, seq, elements, segment_length if partitioned else UNPARTITIONED, None)
+        timings.append(time.perf_counter() - start)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seq_len": seq_len, "depths": depths, "partitioned": partitioned, "elements": stats.elements,
+            "segments": stats.segments, "peak_rss_mb": round(peak_mb, 1),
+            "tokens_per_s": round(seq_len / timings[-1], 1), "step_s": round(timings[-1], 3)}  # fmt: skip
+
+
+def _run_child(args: list[str], memory_limit_gb: float) -> dict:
+    cmd = [sys.executable, "-m", "peagle_ray.bench.train_memory", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            rss = child.memory_info().rss
+        except psutil.NoSuchProcess:
+            break
+        peak = max(peak, rss)
+        if rss > memory_limit_gb * 2**30:
+            proc.kill()
+            proc.wait()
+            return {"error": f"exceeded the {memory_limit_gb:g} GB memory limit", "peak_rss_mb": round(peak / 2**20, 1)}
+        time.sleep(0.1)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        return {"error": f"exit code {proc.returncode}: {err.strip().splitlines()[-1] if err.strip() else ''}"}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(seq_lens=(1024, 4096, 8192), depths=(4, 8), segment_length: int = 2048, draft_vocab_size: int = 32768,
+        memory_limit_gb: float = 18.0, progress=print) -> dict:  # fmt: skip
+    rows = []
+    for n in seq_lens:
+        for k in depths:
+            for partitioned in (True, False):
+                args = [str(n), str(k), str(int(partitioned)), str(segment_length), str(draft_vocab_size)]
+                row = {"seq_len": n, "depths": k, "partitioned": partitioned, **_run_child(args, memory_limit_gb)}
+                progress(json.dumps(row))
+                rows.append(row)
+    return {"hidden_size": 576, "layers": 1, "draft_vocab_size": draft_vocab_size, "segment_length": segment_length,
+            "rows": rows}  # fmt: skip
+
+
+if __name__ == "__main__":
+    n, k, part, seg, dv = (int(a) for a in sys.argv[1:6])
+    print(json.dumps(one_step(n, k, bool(part), seg, dv)))

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from peagle_ray.train.elements import Elements
+from peagle_ray.train.masks import attention_mask
 
 Algorithm = Literal["peagle", "eagle3"]
 
@@ -329,8 +330,6 @@ class Drafter(nn.Module):
 
 def attention_mask_rows(query: Elements, key: Elements) -> torch.Tensor:
     """The attention rule within one document (inference is always one document)."""
-    from peagle_ray.train.masks import attention_mask
-
     one_doc = torch.zeros(int(torch.cat([query.anchor, key.anchor]).max()) + 1, dtype=torch.long)
     return attention_mask(query, key, one_doc)
 

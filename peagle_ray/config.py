@@ -137,10 +137,22 @@ class DrafterConfig(_Section):
     """COD sampling: floor on the kept fraction at any depth."""
 
     ttt_steps: int | None = Field(default=None, ge=1)
-    """EAGLE-3 training-time-test steps. None means num_depths."""
+    """EAGLE-3 only: training-time-test steps (depths trained, one forward each). None means num_depths.
+    EAGLE-3 samples its deeper steps with the same COD ratios as P-EAGLE, so both see equal data."""
 
     norm_before_residual: bool = False
     """Apply hidden_norm before the residual connection of layer 0 (speculators config flag)."""
+
+    @property
+    def trained_depths(self) -> int:
+        """Depths a training sequence samples: ttt_steps for EAGLE-3 when set, else num_depths."""
+        return self.ttt_steps if self.algorithm == "eagle3" and self.ttt_steps else self.num_depths
+
+    @model_validator(mode="after")
+    def _ttt_only_for_eagle3(self) -> DrafterConfig:
+        if self.ttt_steps is not None and self.algorithm != "eagle3":
+            raise ValueError(f"drafter.ttt_steps applies only to algorithm 'eagle3'; got algorithm {self.algorithm!r}")
+        return self
 
 
 class TrainingConfig(_Section):
@@ -278,12 +290,11 @@ class PeagleConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> PeagleConfig:
-        k = self.drafter.num_depths
+        k = self.drafter.trained_depths
         weights = self.training.depth_weights
         if weights is not None and len(weights) != k:
             raise ValueError(
-                f"training.depth_weights must have one weight per depth (drafter.num_depths = {k}); "
-                f"got {len(weights)} weights"
+                f"training.depth_weights must have one weight per trained depth ({k}); got {len(weights)} weights"
             )
         if self.drafter.cod_min_ratio > self.drafter.cod_keep_ratio:
             raise ValueError(
@@ -303,7 +314,8 @@ def _format_errors(err: ValidationError) -> str:
         field = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         got = "" if "; got " in msg else f"; got {e['input']!r}"
-        lines.append(f"{field}: {msg}{got}" if field else msg)  # cross-section rules name their fields
+        named = not field or msg.startswith(field)  # model-level rules name their fields themselves
+        lines.append(msg if named else f"{field}: {msg}{got}")
     return "\n".join(lines)
 
 

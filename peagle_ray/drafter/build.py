@@ -41,7 +41,7 @@ def arch_from_target(target_dir: Path, drafter: DrafterConfig, draft_vocab_size:
     heads = cfg["num_attention_heads"]
     return DrafterArch(
         algorithm=drafter.algorithm,
-        num_depths=drafter.num_depths,
+        num_depths=drafter.trained_depths,
         num_layers=drafter.num_layers,
         hidden_size=hidden,
         intermediate_size=cfg["intermediate_size"],

@@ -141,7 +141,7 @@ def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: t
             return elements, mask
         order = torch.argsort(elements.depth, stable=True)  # EAGLE-3 runs depth by depth: depth-major
         return elements.select(order), mask[order][:, order]
-    elements = cod_sample(seq.supervised, seq.doc_ids, drafter_cfg.num_depths, drafter_cfg.cod_keep_ratio,
+    elements = cod_sample(seq.supervised, seq.doc_ids, drafter_cfg.trained_depths, drafter_cfg.cod_keep_ratio,
                           drafter_cfg.cod_min_ratio, generator)  # fmt: skip
     return elements, None
 

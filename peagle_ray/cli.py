@@ -71,6 +71,37 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data(args: argparse.Namespace) -> int:
+    from peagle_ray.capture.run import prepare_and_capture
+
+    cfg = _config(args)
+    prepare = args.action == "prepare" or getattr(args, "prepare", False)
+    summary = prepare_and_capture(cfg, prepare=prepare, capture=args.action == "capture")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _add_data_commands(sub: argparse.ArgumentParser) -> None:
+    actions = sub.add_subparsers(dest="action", metavar="action", required=True)
+    prepare = actions.add_parser(
+        "prepare",
+        help="Read data.sources, regenerate responses with the target (data.regenerate), apply the chat "
+        "template and assistant loss masks; write data.output_dir/{train,validation}.jsonl, "
+        "token_counts.safetensors and summary.json (bad rows counted by reason and skipped).",
+    )
+    capture = actions.add_parser(
+        "capture",
+        help="Capture the target's hidden states for the prepared data through a Ray Serve-hosted vLLM "
+        "engine and Ray Data; write safetensors shards + manifest to capture.output_dir (reruns skip done "
+        "samples). Online capture streams straight into `peagle-ray train` instead.",
+    )
+    capture.add_argument("--prepare", action="store_true",
+                         help="Run `data prepare` first, in the same target session.")  # fmt: skip
+    for parser in (prepare, capture):
+        _add_config_args(parser)
+        parser.set_defaults(func=_cmd_data)
+
+
 def _write_json(result: dict, path: Path | None) -> None:
     text = json.dumps(result, indent=2)
     if path is not None:
@@ -162,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
             info = actions.add_parser("info", help="Print what peagle-ray reads from a target directory.")
             info.add_argument("path", type=Path, help="HF model directory.")
             info.set_defaults(func=_cmd_target_info)
+        elif name == "data":
+            _add_data_commands(sub)
         elif name == "bench":
             _add_bench_commands(sub)
         elif name == "demo":

@@ -15,3 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_target(tmp_path_factory) -> Path:
     """HF directory of a random 6-layer Llama (hidden 96, vocab 516) with a locally trained tokenizer."""
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray cluster for the integration tests (started once, shut down at the end)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

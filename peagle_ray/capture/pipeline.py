@@ -1,0 +1,178 @@
+"""Ray Data capture pipeline: prepared samples -> Serve-hosted target -> validated training records.
+
+Shape legend: T tokens, H target hidden size, A = n_aux * H.
+
+Record (one per conversation): sample_id, input_ids (T,) int64, loss_mask (T,) int8, aux_hidden (T, A) and
+last_hidden (T, H) float32. Records come out of an actor pool (CaptureStage) that sends each batch's
+conversations to the target concurrently, so vLLM batches them. A capture that fails validation (token
+ids differ from the request, NaN/Inf, wrong shape) stays in the stream as an error row and is counted and
+dropped by the consumer, so nothing stops the run.
+
+    online:  iter_records(capture_dataset(samples, ...), bad)        streamed; nothing left on disk
+    offline: write_offline(..., out_dir); read_offline(out_dir)      shards + manifest; reruns skip done ids
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_ray.capture.target_server import APP_NAME
+from peagle_ray.data.prepare import BadRows, TokenizedSample
+
+CAPTURE_ERRORS = ("token_mismatch", "non_finite", "bad_shape", "capture_failed")
+MANIFEST = "manifest.json"
+
+
+class BadCapture(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in CAPTURE_ERRORS, reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def validate_capture(input_ids: np.ndarray, captured: dict[str, torch.Tensor], num_layers: int,
+                     hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(aux (T, A), last (T, H)) from a capture of `input_ids`, or BadCapture naming what is wrong."""
+    hidden, token_ids = captured["hidden_states"], captured["token_ids"]
+    t = len(input_ids)
+    if tuple(hidden.shape) != (t, num_layers, hidden_size):
+        raise BadCapture("bad_shape", f"expected {(t, num_layers, hidden_size)}; got {tuple(hidden.shape)}")
+    if token_ids.tolist() != [int(i) for i in input_ids]:
+        raise BadCapture("token_mismatch", "captured token ids differ from the request")
+    if not torch.isfinite(hidden).all():
+        raise BadCapture("non_finite", f"{int((~torch.isfinite(hidden)).sum())} NaN/Inf values")
+    hidden = hidden.float()
+    return hidden[:, :-1].reshape(t, -1), hidden[:, -1]
+
+
+class CaptureStage:
+    """Ray Data actor: captures a batch of conversations through the Serve deployment's handle."""
+
+    def __init__(self, num_layers: int, hidden_size: int, app_name: str = APP_NAME):
+        from ray import serve
+
+        self.handle = serve.get_app_handle(app_name)
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        responses = [self.handle.capture.remote(ids.tolist()) for ids in batch["input_ids"]]
+        aux_width = (self.num_layers - 1) * self.hidden_size
+        out = {"sample_id": [], "input_ids": [], "loss_mask": [], "aux_hidden": [], "last_hidden": [], "error": []}
+        for i, response in enumerate(responses):
+            ids = batch["input_ids"][i]
+            try:
+                try:
+                    captured = response.result()
+                except Exception as err:  # noqa: BLE001  a failed request is one bad row, not a dead run
+                    raise BadCapture("capture_failed", repr(err)[:200]) from err
+                aux, last = validate_capture(ids, captured, self.num_layers, self.hidden_size)
+                error = ""
+            except BadCapture as err:
+                aux, last, error = torch.zeros(0, aux_width), torch.zeros(0, self.hidden_size), err.reason
+            out["sample_id"].append(batch["sample_id"][i])
+            out["input_ids"].append(np.asarray(ids, dtype=np.int64))
+            out["loss_mask"].append(np.asarray(batch["loss_mask"][i], dtype=np.int8))
+            out["aux_hidden"].append(aux.numpy())
+            out["last_hidden"].append(last.numpy())
+            out["error"].append(error)
+        return out
+
+
+def capture_dataset(samples: Iterable[TokenizedSample], num_layers: int, hidden_size: int, batch_size: int,
+                    num_actors: int):  # fmt: skip
+    """A lazy, streaming Ray Dataset of captured rows (error rows included; see iter_records)."""
+    import ray
+
+    items = [{"sample_id": s.sample_id, "input_ids": np.asarray(s.input_ids, dtype=np.int64),
+              "loss_mask": np.asarray(s.loss_mask, dtype=np.int8)} for s in samples]  # fmt: skip
+    if not items:
+        raise ValueError("nothing to capture: the prepared data has no samples")
+    return ray.data.from_items(items).map_batches(
+        CaptureStage,
+        fn_constructor_kwargs={"num_layers": num_layers, "hidden_size": hidden_size},
+        batch_size=batch_size,
+        batch_format="numpy",
+        concurrency=num_actors,
+        num_cpus=0,  # the actors only wait on the target; its engine does the work
+    )
+
+
+def to_record(row: dict) -> dict[str, torch.Tensor | str]:
+    """A Ray Data row (numpy, possibly read-only) -> a record of torch tensors."""
+    tensor = lambda key, dtype: torch.from_numpy(np.array(row[key], dtype=dtype))  # noqa: E731  (copies)
+    return {"sample_id": str(row["sample_id"]), "input_ids": tensor("input_ids", np.int64),
+            "loss_mask": tensor("loss_mask", np.int8), "aux_hidden": tensor("aux_hidden", np.float32),
+            "last_hidden": tensor("last_hidden", np.float32)}  # fmt: skip
+
+
+def iter_records(rows: Iterable[dict], bad: BadRows, total: int | None = None, desc: str = "capture") -> Iterator[dict]:
+    """Valid records from captured rows; error rows are counted in `bad` under their reason."""
+    from tqdm import tqdm
+
+    start, tokens = time.monotonic(), 0
+    with tqdm(total=total, desc=desc, unit="sample") as bar:
+        for row in rows:
+            bar.update(1)
+            if row["error"]:
+                bad.add(str(row["error"]), str(row["sample_id"]))
+                continue
+            record = to_record(row)
+            tokens += len(record["input_ids"])
+            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.0f}", bad=bad.total())
+            yield record
+
+
+# ---- offline shards ----------------------------------------------------------------------------------
+
+
+def read_manifest(out_dir: Path) -> dict:
+    path = Path(out_dir) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {"shards": []}
+
+
+def done_sample_ids(out_dir: Path) -> set[str]:
+    return {sid for shard in read_manifest(out_dir)["shards"] for sid in shard["sample_ids"]}
+
+
+def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
+    index = len(manifest["shards"])
+    name = f"shard-{index:05d}.safetensors"
+    tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records)
+               for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}  # fmt: skip
+    save_file(tensors, str(out_dir / name))
+    manifest["shards"].append({"file": name, "sample_ids": [r["sample_id"] for r in records]})
+    tmp = out_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out_dir / MANIFEST)  # the manifest only ever names complete shards
+
+
+def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int = 64) -> int:
+    """Append records to safetensors shards under `out_dir`, updating manifest.json after each shard."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(out_dir)
+    pending, written = [], 0
+    for record in records:
+        pending.append(record)
+        if len(pending) == shard_size:
+            _write_shard(out_dir, pending, manifest)
+            written, pending = written + len(pending), []
+    if pending:
+        _write_shard(out_dir, pending, manifest)
+        written += len(pending)
+    return written
+
+
+def read_offline(out_dir: Path) -> Iterator[dict]:
+    """The records of every shard, in the order they were written."""
+    for shard in read_manifest(out_dir)["shards"]:
+        tensors = load_file(str(Path(out_dir) / shard["file"]))
+        for i, sample_id in enumerate(shard["sample_ids"]):
+            yield {"sample_id": sample_id, **{k: tensors[f"{i}.{k}"] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}

@@ -1,0 +1,130 @@
+"""Library entry points behind `peagle-ray data prepare|capture` and jobs/prepare_data.py, jobs/capture.py.
+
+The target is started in Ray Serve for the run and stopped afterwards (also on errors and Ctrl-C); one
+target session serves both response regeneration and capture.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_records, write_offline
+from peagle_ray.capture.target_server import start_target_server, stop_target_server
+from peagle_ray.config import PeagleConfig
+from peagle_ray.data.prepare import (
+    BadRows,
+    TokenizedSample,
+    prepare_samples,
+    read_conversations,
+    read_prepared,
+    write_prepared,
+)
+from peagle_ray.target import TargetInfo, read_target_info, resolve_target_path
+
+
+@dataclass
+class TargetSession:
+    handle: object  # Serve handle of TargetServer
+    info: TargetInfo
+    num_layers_captured: int  # aux layers + the last layer
+
+
+def ensure_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`) or start a local one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="auto" if _ray_address() else None, log_to_driver=False)
+
+
+def _ray_address() -> str | None:
+    import os
+
+    return os.environ.get("RAY_ADDRESS")
+
+
+@contextmanager
+def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
+    info = read_target_info(resolve_target_path(cfg))
+    ensure_ray()
+    print(f"[capture] starting the target in Ray Serve: {info.path} (first start takes ~30-60 s on CPU)")
+    handle = start_target_server(cfg, info.path, info.num_layers)
+    aux = cfg.capture.aux_layer_ids or info.default_aux_layer_ids()
+    try:
+        yield TargetSession(handle, info, len(aux) + 1)
+    finally:
+        stop_target_server()
+
+
+def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[list[int]]]:
+    """Send a batch of prompts to the target at once (vLLM batches them); return the generated ids."""
+
+    def regenerate(prompts: list[list[int]]) -> list[list[int]]:
+        responses = [handle.generate.remote(p, cfg.data.max_new_tokens, cfg.data.temperature, cfg.training.seed + i)
+                     for i, p in enumerate(prompts)]  # fmt: skip
+        return [r.result() for r in responses]
+
+    return regenerate
+
+
+def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
+    """Conversations -> data.output_dir/{train,validation}.jsonl, token counts, summary.json."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    target = resolve_target_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=cfg.target.trust_remote_code)
+    bad = BadRows()
+    if cfg.data.regenerate and session is None:
+        raise ValueError("data.regenerate is true but no target session was given")
+    regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate else None
+    conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad)
+    samples = prepare_samples(conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4)
+    with tqdm(desc="prepare", unit="sample") as bar:
+        summary = write_prepared(samples, Path(cfg.data.output_dir), read_target_info(target).vocab_size, bad, bar)
+    print(f"[data] {summary['samples']} samples, {summary['tokens']} tokens -> {cfg.data.output_dir}; {bad.report()}")
+    return summary
+
+
+def prepared_samples(cfg: PeagleConfig) -> list[TokenizedSample]:
+    out = Path(cfg.data.output_dir)
+    if not (out / "summary.json").is_file():
+        raise FileNotFoundError(f"no prepared data in data.output_dir = {out}; run `peagle-ray data prepare` first")
+    return read_prepared(out, "train") + read_prepared(out, "validation")
+
+
+def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: int = 64) -> dict:
+    """Capture every prepared sample not yet in capture.output_dir into safetensors shards."""
+    out = Path(cfg.capture.output_dir)
+    done = done_sample_ids(out)
+    todo = [s for s in prepared_samples(cfg) if s.sample_id not in done]
+    print(f"[capture] {len(todo)} samples to capture ({len(done)} already in {out})")
+    bad, start, written = BadRows(), time.monotonic(), 0
+    if todo:
+        ds = capture_dataset(todo, session.num_layers_captured, session.info.hidden_size, cfg.capture.batch_size,
+                             cfg.capture.num_actors)  # fmt: skip
+        written = write_offline(iter_records(ds.iter_rows(), bad, total=len(todo)), out, shard_size)
+    summary = {"captured": written, "skipped_done": len(done), "bad_rows": dict(bad.counts),
+               "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capture_summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"[capture] {written} records written to {out}; {bad.report()}")
+    return summary
+
+
+def prepare_and_capture(cfg: PeagleConfig, prepare: bool, capture: bool) -> dict:
+    """The data half of the pipeline in one target session: prepare (regenerating if configured), capture."""
+    summary = {}
+    if prepare and not cfg.data.regenerate and not capture:
+        return {"prepare": run_prepare(cfg, None)}  # no target needed
+    with target_session(cfg) as session:
+        if prepare:
+            summary["prepare"] = run_prepare(cfg, session)
+        if capture:
+            summary["capture"] = run_capture_offline(cfg, session)
+    return summary

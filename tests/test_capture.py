@@ -1,0 +1,111 @@
+"""Capture through the Ray Serve-hosted vLLM target and Ray Data, on the tiny target (real engine, real Ray)."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from peagle_ray.capture.pipeline import (
+    BadCapture,
+    capture_dataset,
+    iter_records,
+    read_offline,
+    validate_capture,
+)
+from peagle_ray.capture.reference import hf_hidden_states
+from peagle_ray.capture.run import run_capture_offline, run_prepare, target_session
+from peagle_ray.config import build_config
+from peagle_ray.data.prepare import BadRows, TokenizedSample, read_prepared
+
+PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
+           "Explain recursion briefly.", "Translate 'good morning' into French."]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def session(tiny_target, tmp_path_factory, ray_local):
+    tmp = tmp_path_factory.mktemp("capture")
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    cfg = build_config({
+        "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+        "data": {"sources": [str(tmp / "prompts.txt")], "max_new_tokens": 12, "output_dir": str(tmp / "data"),
+                 "validation_fraction": 0.3},
+        "capture": {"output_dir": str(tmp / "hidden"), "batch_size": 4},
+    })  # fmt: skip
+    with target_session(cfg) as s:
+        yield cfg, s
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+def test_captured_hidden_states_equal_transformers(session, model):
+    cfg, s = session
+    ids = list(range(20, 83))
+    captured = s.handle.capture.remote(ids).result()
+    aux, last = validate_capture(np.array(ids), captured, s.num_layers_captured, s.info.hidden_size)
+    hf_aux, hf_last = hf_hidden_states(model, torch.tensor(ids), s.info.default_aux_layer_ids())
+    assert s.info.default_aux_layer_ids() == [2, 3, 5] and aux.shape == (63, 3 * 96)
+    torch.testing.assert_close(aux, hf_aux, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last, hf_last, atol=1e-4, rtol=1e-4)
+    assert s.handle.storage_files.remote().result() == []  # files and locks were cleaned up
+
+
+def test_regeneration_is_the_targets_greedy_answer(session, model):
+    _, s = session
+    prompt = list(range(30, 45))
+    generated = s.handle.generate.remote(prompt, 10, 0.0).result()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 15:].tolist()
+    assert generated == expected
+    assert s.handle.storage_files.remote().result() == []
+
+
+def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
+    cfg, s = session
+    summary = run_prepare(cfg, s)
+    samples = read_prepared(cfg.data.output_dir, "train") + read_prepared(cfg.data.output_dir, "validation")
+    assert sum(summary["samples"].values()) == len(samples) == len(PROMPTS) and summary["bad_rows"] == {}
+    assert all(sum(x.loss_mask) > 0 for x in samples)
+
+    bad = BadRows()
+    online = {r["sample_id"]: r for r in iter_records(
+        capture_dataset(samples, s.num_layers_captured, s.info.hidden_size, 4, 1).iter_rows(), bad)}  # fmt: skip
+    first = run_capture_offline(cfg, s, shard_size=4)
+    offline = {r["sample_id"]: r for r in read_offline(cfg.capture.output_dir)}
+    assert first["captured"] == len(PROMPTS) and bad.total() == 0
+    assert online.keys() == offline.keys() == {x.sample_id for x in samples}
+    for sample_id, record in online.items():
+        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            torch.testing.assert_close(offline[sample_id][key], record[key], atol=0, rtol=0)
+    again = run_capture_offline(cfg, s, shard_size=4)
+    assert (again["captured"], again["skipped_done"]) == (0, len(PROMPTS))
+
+
+def test_a_failed_capture_is_one_counted_row(session):
+    _, s = session
+    good = TokenizedSample("good", "x", "train", list(range(10, 40)), [0] * 10 + [1] * 20)
+    too_long = TokenizedSample("too-long", "x", "train", [11] * 400, [1] * 400)  # past max_model_len 256
+    bad = BadRows()
+    rows = capture_dataset([good, too_long], s.num_layers_captured, s.info.hidden_size, 2, 1).iter_rows()
+    records = list(iter_records(rows, bad))
+    assert [r["sample_id"] for r in records] == ["good"]
+    assert dict(bad.counts) == {"capture_failed": 1} and bad.examples["capture_failed"] == ["too-long"]
+
+
+def test_nan_in_a_hidden_state_file_is_caught(session, tmp_path):
+    _, s = session
+    ids = list(range(40, 60))
+    captured = s.handle.capture.remote(ids).result()
+    path = tmp_path / "req.safetensors"
+    hidden = captured["hidden_states"].clone()
+    hidden[7, 1, 3] = float("nan")
+    save_file({"hidden_states": hidden, "token_ids": captured["token_ids"]}, str(path))
+    with pytest.raises(BadCapture, match="non_finite: 1 NaN/Inf values"):
+        validate_capture(np.array(ids), load_file(str(path)), s.num_layers_captured, s.info.hidden_size)
+    with pytest.raises(BadCapture, match="token_mismatch"):
+        validate_capture(np.array(ids[::-1]), captured, s.num_layers_captured, s.info.hidden_size)
+    with pytest.raises(BadCapture, match=r"bad_shape: expected \(20, 3, 96\)"):
+        validate_capture(np.array(ids), captured, 3, s.info.hidden_size)

@@ -16,7 +16,7 @@ from pathlib import Path
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
 
 EXIT_NOT_BUILT = 3
-BENCH_NOT_BUILT = ["capture", "train", "e2e", "load"]
+BENCH_NOT_BUILT = ["train", "e2e", "load"]
 
 SUBCOMMANDS = {
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
@@ -134,6 +134,15 @@ def _cmd_bench_mask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_capture(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import capture
+    from peagle_ray.target import resolve_target_path
+
+    cfg = _config(args)
+    _write_json(capture.run(cfg, resolve_target_path(cfg), args.sequences, args.seq_len), args.json)
+    return 0
+
+
 def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     kinds = sub.add_subparsers(dest="kind", metavar="kind", required=True)
     latency = kinds.add_parser("draft-latency", help="Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.")
@@ -156,9 +165,15 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     masks.add_argument("--depths", type=int, default=4)
     masks.add_argument("--steps", type=int, default=10)
     masks.set_defaults(func=_cmd_bench_mask)
+    capture = kinds.add_parser("capture", help="Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill "
+                                                "on the same sequences, and offline bytes per token.")  # fmt: skip
+    capture.add_argument("--sequences", type=int, default=64)
+    capture.add_argument("--seq-len", type=int, default=256)
+    _add_config_args(capture)
+    capture.set_defaults(func=_cmd_bench_capture)
     for kind in BENCH_NOT_BUILT:
         kinds.add_parser(kind, help="Not built yet.").set_defaults(func=_not_built(f"bench {kind}"))
-    for parser in (latency, memory, masks):
+    for parser in (latency, memory, masks, capture):
         parser.add_argument("--json", type=Path, help="Also write the result to this JSON file.")
 
 

@@ -1,0 +1,95 @@
+"""`peagle-ray bench capture`: hidden-state capture throughput vs plain vLLM prefill, same token sequences.
+
+Sequences: the built-in suite's prompts rendered with the target's chat template, concatenated and cut into
+`num_sequences` sequences of `seq_len` tokens. 'prefill' is a plain vLLM engine (no capture) doing a
+1-token generation over them, in its own process; 'capture' is the full pipeline: Ray Data actors ->
+Ray Serve-hosted engine with extract_hidden_states -> validated records. Offline bytes per token are
+measured by writing those records as shards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from peagle_ray.config import PeagleConfig
+from peagle_ray.engine import vllm_cpu_env
+
+
+def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from peagle_ray.data.prepare import render
+    from peagle_ray.data.suite import builtin_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stream: list[int] = []
+    for conversation in builtin_conversations():
+        stream += render(tokenizer, conversation.messages, add_generation_prompt=True)
+        if len(stream) >= num_sequences * seq_len:
+            break
+    if len(stream) < num_sequences * seq_len:
+        raise ValueError(f"the built-in suite has {len(stream)} tokens; {num_sequences} x {seq_len} asked")
+    return [stream[i * seq_len : (i + 1) * seq_len] for i in range(num_sequences)]
+
+
+def _prefill_child(target_dir: str, dtype: str, max_model_len: int, sequences_file: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    sequences = json.loads(Path(sequences_file).read_text())
+    llm = LLM(model=target_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=True)
+    prompts = [{"prompt_token_ids": s} for s in sequences]
+    llm.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    print("RESULT " + json.dumps({"seconds": time.perf_counter() - start}))
+
+
+def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: int = 256) -> dict:
+    from peagle_ray.capture.pipeline import capture_dataset, iter_records, write_offline
+    from peagle_ray.capture.run import target_session
+    from peagle_ray.data.prepare import BadRows, TokenizedSample
+
+    sequences = bench_sequences(target_dir, num_sequences, seq_len)
+    tokens = num_sequences * seq_len
+    with tempfile.TemporaryDirectory() as tmp:
+        seq_file = Path(tmp) / "sequences.json"
+        seq_file.write_text(json.dumps(sequences))
+        cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(target_dir), cfg.target.dtype,
+               str(cfg.target.max_model_len), str(seq_file)]  # fmt: skip
+        child = subprocess.run(cmd, capture_output=True, text=True, env=vllm_cpu_env(cfg.target.kv_cache_gib))
+        if child.returncode != 0:
+            raise RuntimeError(f"prefill benchmark failed: {child.stderr[-2000:]}")
+        result = next(line for line in child.stdout.splitlines() if line.startswith("RESULT "))
+        prefill_s = json.loads(result.removeprefix("RESULT "))["seconds"]
+
+        samples = [TokenizedSample(f"bench-{i}", "bench", "train", s, [1] * len(s)) for i, s in enumerate(sequences)]
+        with target_session(cfg) as session:
+            warm = capture_dataset(samples[:4], session.num_layers_captured, session.info.hidden_size, 4, 1)
+            list(iter_records(warm.iter_rows(), BadRows(), desc="warm-up"))
+            bad = BadRows()
+            start = time.perf_counter()
+            ds = capture_dataset(samples, session.num_layers_captured, session.info.hidden_size,
+                                 cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+            records = list(iter_records(ds.iter_rows(), bad, total=len(samples)))
+            capture_s = time.perf_counter() - start
+        shard_dir = Path(tmp) / "shards"
+        write_offline(records, shard_dir)
+        shard_bytes = sum(p.stat().st_size for p in shard_dir.glob("*.safetensors"))
+    return {
+        "target": str(target_dir), "sequences": num_sequences, "seq_len": seq_len,
+        "capture_tokens_per_s": round(tokens / capture_s, 1),
+        "prefill_tokens_per_s": round(tokens / prefill_s, 1),
+        "capture_over_prefill": round(prefill_s / capture_s, 3),
+        "bytes_per_token_offline": round(shard_bytes / tokens, 1),
+        "bad_rows": dict(bad.counts), "capture_batch_size": cfg.capture.batch_size,
+        "capture_actors": cfg.capture.num_actors,
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    _prefill_child(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])

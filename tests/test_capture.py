@@ -78,8 +78,10 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
     assert first["captured"] == len(PROMPTS) and bad.total() == 0
     assert online.keys() == offline.keys() == {x.sample_id for x in samples}
     for sample_id, record in online.items():
-        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
-            torch.testing.assert_close(offline[sample_id][key], record[key], atol=0, rtol=0)
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(offline[sample_id][key], record[key])
+        for key in ("aux_hidden", "last_hidden"):  # vLLM may batch the two runs differently: float noise only
+            torch.testing.assert_close(offline[sample_id][key], record[key], atol=1e-4, rtol=1e-4)
     again = run_capture_offline(cfg, s, shard_size=4)
     assert (again["captured"], again["skipped_done"]) == (0, len(PROMPTS))
 

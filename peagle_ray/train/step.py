@@ -87,8 +87,9 @@ def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool, den
 def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, elements: Elements,
                       segment_length: int, depth_weights: list[float] | None, scale: float = 1.0,
                       loss_chunk: int = 1024, dense_mask: torch.Tensor | None = None,
-                      boundaries: list[int] | None = None) -> StepStats:  # fmt: skip
+                      boundaries: list[int] | None = None, backward: bool = True) -> StepStats:  # fmt: skip
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
+    With backward=False it only measures (validation): no graph is built.
 
     `boundaries` overrides the balanced split (tests use it for uneven splits); `dense_mask` is a
     precomputed (E, E) mask of `elements` (amortized), used only when the sequence is not split.
@@ -112,11 +113,13 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
             continue
         dense = dense_mask if len(segments) == 1 else None
         mask_fn = mask_function(segment.elements, seq.doc_ids, use_flex, dense)
-        out = drafter.forward_elements(seq.tokens, seq.hidden, segment.elements, mask_fn, len(segment.context))
         own = segment.own.select(rows)
-        loss, kl, correct = kl_loss(drafter.norm(out[rows]), drafter.lm_head.weight, seq.teacher_hidden[own.position],
-                                    teacher, weights[own_index[rows]].to(out.dtype), loss_chunk)  # fmt: skip
-        loss.backward()
+        with torch.set_grad_enabled(backward):
+            out = drafter.forward_elements(seq.tokens, seq.hidden, segment.elements, mask_fn, len(segment.context))
+            loss, kl, correct = kl_loss(drafter.norm(out[rows]), drafter.lm_head.weight, seq.teacher_hidden[own.position],
+                                        teacher, weights[own_index[rows]].to(out.dtype), loss_chunk)  # fmt: skip
+        if backward:
+            loss.backward()
         stats.loss += float(loss.detach())
         _accumulate(stats, own.depth, kl, correct, k)
     return stats

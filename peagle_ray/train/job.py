@@ -1,0 +1,405 @@
+"""The distributed training job: Ray Train workers on the captured-record stream, MLflow, checkpoints.
+
+Driver (`run_training`): validates inputs before any worker starts, opens (or starts) MLflow and finds the
+run for training.run_name, builds the record datasets (offline shards, or online capture through the
+Serve-hosted target), runs a TorchTrainer, then exports the best checkpoint and logs artifacts.
+
+Worker (`train_worker`): builds the drafter (same seed on every rank), resumes from Ray Train's latest
+checkpoint if there is one, and loops: sequences_per_step records -> `sequence_backward` (COD, masks,
+partitioning) -> gradients all-reduced over the workers -> clip -> AdamW step. Every validate_every steps
+rank 0 measures the validation split (per-depth accuracy, offline greedy acceptance per position, AL),
+flushes its buffered metrics to MLflow, then every rank reports and rank 0 attaches the checkpoint.
+Metrics are flushed before the checkpoint that covers them, and on resume steps already in MLflow are not
+logged again, so a crash leaves neither gaps nor duplicates in the metric history.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_ray.config import PeagleConfig
+from peagle_ray.drafter.build import drafter_for_target
+from peagle_ray.eval.offline import Acceptance, replay_greedy
+from peagle_ray.train.elements import TrainSequence
+from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward
+
+CHECKPOINT_WEIGHTS = "drafter.safetensors"
+CHECKPOINT_OPTIMIZER = "optimizer.pt"
+CHECKPOINT_STATE = "state.json"
+
+
+def to_sequence(record: dict) -> TrainSequence:
+    """A captured record (numpy or torch fields) -> a training sequence."""
+    t = lambda key, dtype: torch.as_tensor(record[key]).to(dtype)  # noqa: E731
+    return TrainSequence.from_record(t("input_ids", torch.long), t("loss_mask", torch.long),
+                                     t("aux_hidden", torch.float32), t("last_hidden", torch.float32))  # fmt: skip
+
+
+def cycle_records(shard, epochs: int) -> Iterator[dict]:
+    """Rows of a dataset shard, epoch after epoch (each epoch re-streams; online mode re-captures)."""
+    for _ in range(epochs):
+        yield from shard.iter_rows()
+
+
+def all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
+    if world > 1:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def all_reduce_stats(stats: StepStats, world: int) -> StepStats:
+    if world > 1:
+        k = len(stats.depth_count)
+        flat = torch.tensor([stats.loss, *stats.depth_kl, *stats.depth_correct, *stats.depth_count], dtype=torch.float64)
+        torch.distributed.all_reduce(flat)
+        stats.loss = float(flat[0]) / world
+        stats.depth_kl = flat[1 : 1 + k].tolist()
+        stats.depth_correct = [int(x) for x in flat[1 + k : 1 + 2 * k]]
+        stats.depth_count = [int(x) for x in flat[1 + 2 * k :]]
+    return stats
+
+
+def broadcast_from_rank0(value: dict, world: int) -> dict:
+    if world > 1:
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator) -> dict[str, float]:
+    """Per-depth accuracy and loss on validation records, and offline greedy acceptance per position."""
+    drafter.eval()
+    stats = StepStats()
+    k_draft = cfg.drafter.num_depths
+    acceptance = Acceptance(k_draft)
+    for record in records:
+        seq = to_sequence(record)
+        elements, dense = sample_elements(seq, cfg.drafter, generator)
+        stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.training.segment_length,
+                                    cfg.training.depth_weights, scale=1 / len(records), dense_mask=dense,
+                                    backward=False))  # fmt: skip
+        ids = torch.as_tensor(record["input_ids"]).long()
+        start = int(torch.as_tensor(record["loss_mask"]).nonzero()[0]) if torch.as_tensor(record["loss_mask"]).any() else len(ids)
+        replay_greedy(drafter, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
+    drafter.train()
+    metrics = {"val/loss": stats.loss, "val/acceptance_length": acceptance.acceptance_length}
+    metrics.update({f"val/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()) if not math.isnan(a)})
+    metrics.update({f"val/acceptance_pos_{i + 1}": r for i, r in enumerate(acceptance.rates())})
+    return metrics
+
+
+def save_checkpoint(directory: Path, drafter, optimizer, scheduler, generator, state: dict) -> None:
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(directory / CHECKPOINT_WEIGHTS))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "generator": generator.get_state()}, directory / CHECKPOINT_OPTIMIZER)  # fmt: skip
+    (directory / CHECKPOINT_STATE).write_text(json.dumps({**state, "arch": json.loads(drafter.arch.to_json())}))
+
+
+def load_checkpoint(directory: Path, drafter, optimizer, scheduler, generator) -> dict:
+    drafter.load_state_dict(load_file(str(directory / CHECKPOINT_WEIGHTS)))
+    extra = torch.load(directory / CHECKPOINT_OPTIMIZER, weights_only=True)  # tensors and numbers only
+    optimizer.load_state_dict(extra["optimizer"])
+    scheduler.load_state_dict(extra["scheduler"])
+    generator.set_state(extra["generator"])
+    return json.loads((directory / CHECKPOINT_STATE).read_text())
+
+
+class MetricsBuffer:
+    """Rank 0's metrics, held until the next checkpoint and then written to MLflow in one batch."""
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None):
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.client = None
+        self.logged_through = -1
+        if tracking_uri and run_id:
+            from mlflow.tracking import MlflowClient
+
+            self.client, self.run_id = MlflowClient(tracking_uri), run_id
+            history = self.client.get_metric_history(run_id, "train/loss")
+            self.logged_through = max((m.step for m in history), default=-1)
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        if step > self.logged_through:
+            self.rows.append((step, metrics))
+
+    def flush(self) -> None:
+        if self.client is None or not self.rows:
+            self.rows = []
+            return
+        from mlflow.entities import Metric
+
+        now = int(1000 * __import__("time").time())
+        batch = [Metric(k, float(v), now, step) for step, metrics in self.rows for k, v in metrics.items()
+                 if not math.isnan(float(v))]  # fmt: skip
+        for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
+        self.logged_through = max(step for step, _ in self.rows)
+        self.rows = []
+
+
+def train_worker(plan: dict) -> None:
+    """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
+    import ray.train
+
+    cfg = PeagleConfig.model_validate(plan["config"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    counts = load_file(plan["token_counts"])["counts"]
+    drafter, teacher, _ = drafter_for_target(Path(plan["target_dir"]), cfg.drafter, counts, len(plan["aux_layer_ids"]),
+                                             torch.Generator().manual_seed(cfg.training.seed))  # fmt: skip
+    optimizer, scheduler = make_optimizer(drafter, cfg.training)
+    generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)  # COD differs per rank
+    state = {"step": 0, "best_al": -1.0, "best_step": None, "target_dir": plan["target_dir"],
+             "aux_layer_ids": plan["aux_layer_ids"], "num_speculative_tokens": cfg.drafter.num_depths,
+             "max_model_len": cfg.target.max_model_len}  # what a standalone export needs
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
+    buffer = MetricsBuffer(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricsBuffer(None, None)
+    validation = list(ray.train.get_dataset_shard("validation").iter_rows()) if rank == 0 else []
+    records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    tcfg, k = cfg.training, cfg.drafter.trained_depths
+
+    for step in range(state["step"], tcfg.max_steps):
+        if tcfg.crash_once_at_step == step and rank == min(1, world - 1) and not Path(plan["crash_marker"]).exists():
+            Path(plan["crash_marker"]).write_text(f"crashed at step {step}")
+            raise RuntimeError(f"injected failure at step {step} (training.crash_once_at_step)")
+        batch = [to_sequence(r) for r in itertools.islice(records, tcfg.sequences_per_step)]
+        if len(batch) < tcfg.sequences_per_step:
+            break  # data exhausted (epochs done) on this rank; equal splits end every rank together
+        optimizer.zero_grad(set_to_none=True)
+        stats = StepStats()
+        for seq in batch:
+            elements, dense = sample_elements(seq, cfg.drafter, generator)
+            stats.add(sequence_backward(drafter, teacher, seq, elements, tcfg.segment_length, tcfg.depth_weights,
+                                        scale=1 / len(batch), dense_mask=dense))  # fmt: skip
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        all_reduce_mean(grads, world)
+        for p, g in zip(params, grads):
+            p.grad = g
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
+        optimizer.step()
+        scheduler.step()
+        stats = all_reduce_stats(stats, world)
+        metrics = {"train/loss": stats.loss, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+                   "train/elements": stats.elements, "train/segments": stats.segments}  # fmt: skip
+        metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
+        if step % tcfg.log_every == 0:
+            buffer.add(step, metrics)
+
+        last = step == tcfg.max_steps - 1
+        if (step + 1) % tcfg.validate_every == 0 or last:
+            val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed)) if rank == 0 else {}
+            val = broadcast_from_rank0(val, world)  # every rank reports the same metrics (checkpoint scoring)
+            buffer.add(step, val)
+            report = {"step": step, **metrics, **val}
+            if val["val/acceptance_length"] > state["best_al"]:
+                state.update(best_al=val["val/acceptance_length"], best_step=step)
+            buffer.flush()
+            state["step"] = step + 1
+            with tempfile.TemporaryDirectory() as tmp:
+                if rank == 0:
+                    save_checkpoint(Path(tmp), drafter, optimizer, scheduler, generator, state)
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+
+
+# ---- driver ------------------------------------------------------------------------------------------
+
+
+def check_inputs(cfg: PeagleConfig) -> dict:
+    """Fail fast, before any worker starts: target, prepared data and (offline) captured shards must exist."""
+    from peagle_ray.capture.pipeline import read_manifest
+    from peagle_ray.data.prepare import TOKEN_COUNTS
+    from peagle_ray.target import read_target_info, resolve_target_path
+
+    info = read_target_info(resolve_target_path(cfg))
+    data_dir = Path(cfg.data.output_dir)
+    summary_file = data_dir / "summary.json"
+    if not summary_file.is_file() or not (data_dir / TOKEN_COUNTS).is_file():
+        raise FileNotFoundError(f"data.output_dir = {data_dir} has no prepared data; run `peagle-ray data prepare`")
+    samples = json.loads(summary_file.read_text())["samples"]
+    if not samples.get("train"):
+        raise ValueError(f"data.output_dir = {data_dir} has no training samples (summary: {samples}); nothing to train on")
+    if cfg.capture.mode == "offline":
+        manifest = read_manifest(Path(cfg.capture.output_dir))
+        captured = sum(split == "train" for shard in manifest["shards"] for split in shard["splits"])
+        if not captured:
+            raise ValueError(f"capture.mode is offline but capture.output_dir = {cfg.capture.output_dir} holds no "
+                             "training records; run `peagle-ray data capture`")  # fmt: skip
+    aux = cfg.capture.aux_layer_ids or info.default_aux_layer_ids()
+    return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
+
+
+def offline_datasets(cfg: PeagleConfig):
+    """(train, validation) Ray Datasets read from the offline shards, one shard file per read task."""
+    import ray
+
+    from peagle_ray.capture.pipeline import read_manifest, read_shard
+
+    out = Path(cfg.capture.output_dir).resolve()
+    files = [{"path": str(out / shard["file"]), "splits": shard["splits"], "ids": shard["sample_ids"]}
+             for shard in read_manifest(out)["shards"]]  # fmt: skip
+    shards = ray.data.from_items(files)
+
+    def dataset(split: str):
+        # num_cpus=0: reading a shard is light, and on a small machine the train workers hold every CPU
+        return shards.flat_map(lambda item: [r for r in read_shard(item) if r["split"] == split], num_cpus=0)
+
+    return dataset("train"), dataset("validation")
+
+
+def load_drafter_from_checkpoint(directory: Path):
+    """The drafter saved in a training checkpoint directory."""
+    from peagle_ray.drafter.model import Drafter, DrafterArch
+
+    arch = DrafterArch(**json.loads((directory / CHECKPOINT_STATE).read_text())["arch"])
+    drafter = Drafter(arch)
+    drafter.load_state_dict(load_file(str(directory / CHECKPOINT_WEIGHTS)))
+    return drafter
+
+
+def acceptance_plot(metrics: dict, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    positions = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("val/acceptance_pos_"))
+    rates = [100 * metrics[f"val/acceptance_pos_{i}"] for i in positions]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(positions, rates, color="#3b7dd8")
+    ax.set(xlabel="draft position", ylabel="accepted (%)", title=title, ylim=(0, 100), xticks=positions)
+    for x, y in zip(positions, rates):
+        ax.text(x, y + 1, f"{y:.1f}", ha="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _fit(cfg: PeagleConfig, plan: dict, train_ds, val_ds):
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config=plan,
+        scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=cfg.training.use_gpu),
+        run_config=RunConfig(
+            name=cfg.training.run_name,
+            storage_path=plan["storage_path"],
+            failure_config=FailureConfig(max_failures=cfg.training.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val/acceptance_length",
+                                               checkpoint_score_order="max"),  # fmt: skip
+        ),
+        datasets={"train": train_ds, "validation": val_ds},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+    return trainer.fit()
+
+
+def run_training(cfg: PeagleConfig) -> dict:
+    """Train, export the best checkpoint, log everything to MLflow; returns a summary."""
+    import ray
+
+    from peagle_ray.capture.pipeline import capture_dataset, iter_records
+    from peagle_ray.capture.run import ensure_ray, prepared_samples, target_session
+    from peagle_ray.data.prepare import BadRows
+    from peagle_ray.export.speculators import export_drafter, provenance
+    from peagle_ray.tracking import find_or_create_run, tracking_uri
+
+    inputs = check_inputs(cfg)
+    storage = Path(cfg.training.storage_path).resolve()
+    run_dir = storage / cfg.training.run_name
+    ensure_ray()
+    with tracking_uri(cfg, storage / "mlflow") as uri:
+        run_id, created = find_or_create_run(uri, cfg, storage / "mlflow")
+        print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
+        plan = {"config": cfg.model_dump(mode="json"), "target_dir": str(inputs["info"].path),
+                "aux_layer_ids": inputs["aux_layer_ids"], "token_counts": inputs["token_counts"],
+                "tracking_uri": uri, "run_id": run_id, "storage_path": str(storage),
+                "crash_marker": str(storage / f"{cfg.training.run_name}.crashed")}  # fmt: skip
+        if cfg.capture.mode == "offline":
+            result = _fit(cfg, plan, *offline_datasets(cfg))
+        else:
+            with target_session(cfg) as session:
+                samples = prepared_samples(cfg)
+                train = capture_dataset([s for s in samples if s.split == "train"], session.num_layers_captured,
+                                        session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+                bad = BadRows()
+                val_rows = capture_dataset([s for s in samples if s.split == "validation"], session.num_layers_captured,
+                                           session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+                validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
+                              for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")]  # fmt: skip
+                result = _fit(cfg, plan, train, ray.data.from_items(validation))
+        if result.error is not None:
+            raise result.error
+        best, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1].get("val/acceptance_length", -1))
+        with best.as_directory() as directory:
+            drafter = load_drafter_from_checkpoint(Path(directory))
+        export_dir = export_drafter(drafter, run_dir / "export", inputs["info"].path, inputs["aux_layer_ids"],
+                                    cfg.drafter.num_depths, cfg.target.max_model_len,
+                                    {"run_id": run_id, "best_step": best_metrics.get("step")})  # fmt: skip
+        _log_artifacts(uri, run_id, cfg, run_dir, export_dir, best_metrics, provenance())
+    summary = {"run_id": run_id, "tracking_uri": uri, "best_step": best_metrics.get("step"),
+               "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
+               "export_dir": str(export_dir), "checkpoint": best.path}  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"[train] best step {summary['best_step']}: AL {best_metrics.get('val/acceptance_length', float('nan')):.3f}; "
+          f"exported to {export_dir}")  # fmt: skip
+    return summary
+
+
+def _log_artifacts(uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict,
+                   provenance_record: dict) -> None:  # fmt: skip
+    from mlflow.tracking import MlflowClient
+
+    from peagle_ray.config import dump_config
+
+    client = MlflowClient(uri)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    (run_dir / "provenance.json").write_text(json.dumps(provenance_record, indent=2))
+    plot = acceptance_plot(metrics, run_dir / "acceptance.png", f"{cfg.drafter.algorithm}: validation acceptance")
+    for path in (run_dir / "config.yaml", run_dir / "provenance.json", plot):
+        client.log_artifact(run_id, str(path))
+    client.log_artifacts(run_id, str(export_dir), artifact_path="drafter")
+    if cfg.tracking.registered_model:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client.create_registered_model(cfg.tracking.registered_model)
+        except MlflowException:
+            pass  # already registered: add a version
+        source = f"{client.get_run(run_id).info.artifact_uri}/drafter"
+        client.create_model_version(cfg.tracking.registered_model, source, run_id=run_id)
+
+
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path, num_speculative_tokens: int | None = None) -> Path:
+    """`peagle-ray export`: a training checkpoint directory -> the speculators format."""
+    from peagle_ray.export.speculators import export_drafter
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / CHECKPOINT_STATE).is_file():
+        raise FileNotFoundError(f"{checkpoint_dir} is not a peagle-ray training checkpoint (no {CHECKPOINT_STATE})")
+    state = json.loads((checkpoint_dir / CHECKPOINT_STATE).read_text())
+    drafter = load_drafter_from_checkpoint(checkpoint_dir)
+    return export_drafter(drafter, out_dir, Path(state["target_dir"]), state["aux_layer_ids"],
+                          num_speculative_tokens or state["num_speculative_tokens"], state["max_model_len"],
+                          {"checkpoint": str(checkpoint_dir), "step": state["step"]})  # fmt: skip

@@ -1,0 +1,100 @@
+"""The Ray Train job on the tiny target: 2 workers, offline records, a local MLflow server, checkpoints,
+resume, recovery from a worker crash, export. Real Ray, real vLLM capture, real MLflow server."""
+
+import json
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from peagle_ray.capture.run import prepare_and_capture
+from peagle_ray.config import build_config
+from peagle_ray.serve.openai_process import free_port
+from peagle_ray.tracking import local_mlflow_server
+from peagle_ray.train.job import check_inputs, export_checkpoint, run_training
+
+PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
+           "Explain recursion briefly.", "Translate 'good morning' into French.", "What is 12 times 7?",
+           "Describe a cat in one sentence.", "Why is the sky blue?", "List two prime numbers."]  # fmt: skip
+K = 3
+
+
+def config(tmp, tiny_target, **training):
+    return build_config({
+        "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+        "data": {"sources": [str(tmp / "prompts.txt")], "max_new_tokens": 24, "output_dir": str(tmp / "data"),
+                 "validation_fraction": 0.3},
+        "capture": {"mode": "offline", "output_dir": str(tmp / "hidden"), "batch_size": 8},
+        "drafter": {"num_depths": K, "draft_vocab_size": 300},
+        "training": {"num_workers": 2, "max_steps": 4, "validate_every": 2, "sequences_per_step": 1,
+                     "segment_length": 64, "storage_path": str(tmp / "train"), "epochs": 50, **training},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny_target, ray_local):
+    tmp = tmp_path_factory.mktemp("train")
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    prepare_and_capture(config(tmp, tiny_target), prepare=True, capture=True)
+    return tmp
+
+
+def history(summary, name):
+    return [m.step for m in MlflowClient(summary["tracking_uri"]).get_metric_history(summary["run_id"], name)]
+
+
+def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
+    cfg = config(tmp_path, tiny_target)
+    with pytest.raises(FileNotFoundError, match="has no prepared data; run `peagle-ray data prepare`"):
+        check_inputs(cfg)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "summary.json").write_text(json.dumps({"samples": {}}))
+    (tmp_path / "data" / "token_counts.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="has no training samples"):
+        run_training(cfg)
+
+
+def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_target):
+    first = run_training(config(workdir, tiny_target, run_name="e2e", max_steps=4))
+    metrics = ["train/loss", *[f"train/acc_depth_{d}" for d in range(K)], "val/acceptance_length",
+               *[f"val/acceptance_pos_{i}" for i in range(1, K + 1)], *[f"val/acc_depth_{d}" for d in range(K)]]  # fmt: skip
+    steps = {name: history(first, name) for name in metrics}
+    assert steps["train/loss"] == [0, 1, 2, 3]
+    assert all(steps[f"train/acc_depth_{d}"] == [0, 1, 2, 3] for d in range(K))
+    assert all(steps[name] == [1, 3] for name in metrics if name.startswith("val/"))
+    client = MlflowClient(first["tracking_uri"])
+    artifacts = {a.path for a in client.list_artifacts(first["run_id"])}
+    assert {"config.yaml", "provenance.json", "acceptance.png", "drafter"} <= artifacts
+    assert client.get_run(first["run_id"]).data.params["drafter.num_depths"] == str(K)
+    assert json.loads((workdir / "train/e2e/export/config.json").read_text())["speculators_model_type"] == "peagle"
+
+    # re-running the same run name resumes at the next step, in the same MLflow run
+    second = run_training(config(workdir, tiny_target, run_name="e2e", max_steps=6))
+    assert second["run_id"] == first["run_id"]
+    assert history(second, "train/loss") == [0, 1, 2, 3, 4, 5]
+    assert history(second, "val/acceptance_length") == [1, 3, 5]
+
+    exported = export_checkpoint(second["checkpoint"], workdir / "standalone-export")
+    assert (exported / "model.safetensors").is_file()
+
+
+def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, tiny_target):
+    summary = run_training(config(workdir, tiny_target, run_name="crash", max_steps=6, crash_once_at_step=3,
+                                  max_failures=1))  # fmt: skip
+    assert (workdir / "train" / "crash.crashed").read_text() == "crashed at step 3"
+    assert history(summary, "train/loss") == [0, 1, 2, 3, 4, 5]
+    assert history(summary, "val/acceptance_length") == [1, 3, 5]
+
+
+def test_local_mlflow_server_starts_answers_and_stops(tmp_path):
+    import urllib.request
+
+    port = free_port()
+    with local_mlflow_server(tmp_path, port) as uri:
+        with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
+            assert response.status == 200
+        experiment = MlflowClient(uri).create_experiment("probe")
+        assert MlflowClient(uri).get_experiment(experiment).name == "probe"
+    assert (tmp_path / "mlflow.db").is_file()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{uri}/health", timeout=2)

@@ -98,3 +98,13 @@ def test_local_mlflow_server_starts_answers_and_stops(tmp_path):
     assert (tmp_path / "mlflow.db").is_file()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{uri}/health", timeout=2)
+
+
+def test_online_mode_trains_while_the_target_captures(workdir, tiny_target, tmp_path):
+    cfg = config(workdir, tiny_target, run_name="online", max_steps=4)
+    cfg.capture.mode = "online"
+    cfg.capture.output_dir = str(tmp_path / "never-written")
+    summary = run_training(cfg)
+    assert history(summary, "train/loss") == [0, 1, 2, 3]
+    assert history(summary, "val/acceptance_length") == [1, 3]
+    assert not (tmp_path / "never-written").exists()  # online: records are streamed, nothing stays on disk

@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,8 +93,8 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
         stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.training.segment_length,
                                     cfg.training.depth_weights, scale=1 / len(records), dense_mask=dense,
                                     backward=False))  # fmt: skip
-        ids = torch.as_tensor(record["input_ids"]).long()
-        start = int(torch.as_tensor(record["loss_mask"]).nonzero()[0]) if torch.as_tensor(record["loss_mask"]).any() else len(ids)
+        ids, loss_mask = torch.as_tensor(record["input_ids"]).long(), torch.as_tensor(record["loss_mask"]).bool()
+        start = int(loss_mask.nonzero()[0]) if loss_mask.any() else len(ids)  # replay the assistant's answer
         replay_greedy(drafter, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
     drafter.train()
     metrics = {"val/loss": stats.loss, "val/acceptance_length": acceptance.acceptance_length}
@@ -142,7 +143,7 @@ class MetricsBuffer:
             return
         from mlflow.entities import Metric
 
-        now = int(1000 * __import__("time").time())
+        now = int(1000 * time.time())
         batch = [Metric(k, float(v), now, step) for step, metrics in self.rows for k, v in metrics.items()
                  if not math.isnan(float(v))]  # fmt: skip
         for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics

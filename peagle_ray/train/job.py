@@ -30,7 +30,7 @@ from peagle_ray.config import PeagleConfig
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.eval.offline import Acceptance, replay_greedy
 from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward
+from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward, train_step
 
 CHECKPOINT_WEIGHTS = "drafter.safetensors"
 CHECKPOINT_OPTIMIZER = "optimizer.pt"
@@ -174,7 +174,6 @@ def train_worker(plan: dict) -> None:
     buffer = MetricsBuffer(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricsBuffer(None, None)
     validation = list(ray.train.get_dataset_shard("validation").iter_rows()) if rank == 0 else []
     records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
-    params = [p for p in drafter.parameters() if p.requires_grad]
     tcfg, k = cfg.training, cfg.drafter.trained_depths
 
     for step in range(state["step"], tcfg.max_steps):
@@ -184,21 +183,10 @@ def train_worker(plan: dict) -> None:
         batch = [to_sequence(r) for r in itertools.islice(records, tcfg.sequences_per_step)]
         if len(batch) < tcfg.sequences_per_step:
             break  # data exhausted (epochs done) on this rank; equal splits end every rank together
-        optimizer.zero_grad(set_to_none=True)
-        stats = StepStats()
-        for seq in batch:
-            elements, dense = sample_elements(seq, cfg.drafter, generator)
-            stats.add(sequence_backward(drafter, teacher, seq, elements, tcfg.segment_length, tcfg.depth_weights,
-                                        scale=1 / len(batch), dense_mask=dense))  # fmt: skip
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        all_reduce_mean(grads, world)
-        for p, g in zip(params, grads):
-            p.grad = g
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
-        optimizer.step()
-        scheduler.step()
+        stats = train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, tcfg, generator,
+                           reduce_grads=lambda grads: all_reduce_mean(grads, world))  # fmt: skip
         stats = all_reduce_stats(stats, world)
-        metrics = {"train/loss": stats.loss, "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+        metrics = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": scheduler.get_last_lr()[0],
                    "train/elements": stats.elements, "train/segments": stats.segments}  # fmt: skip
         metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
         if step % tcfg.log_every == 0:

@@ -9,6 +9,7 @@ the sum of segment losses and gradients is exactly the unpartitioned step's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ class StepStats:
     elements: int = 0
     segments: int = 0
     positions: int = 0
+    grad_norm: float = 0.0  # global norm before clipping (set by train_step)
 
     def add(self, other: StepStats) -> None:
         k = max(len(self.depth_count), len(other.depth_count))
@@ -165,15 +167,26 @@ def make_optimizer(drafter: Drafter, cfg: TrainingConfig) -> tuple[torch.optim.O
 
 def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequences: list[TrainSequence],
                drafter_cfg: DrafterConfig, cfg: TrainingConfig, generator: torch.Generator,
-               amortized: AmortizedMask | None = None) -> StepStats:  # fmt: skip
-    """One optimizer step over `sequences` (gradients accumulated across them), with clipping."""
+               amortized: AmortizedMask | None = None,
+               reduce_grads: Callable[[list[torch.Tensor]], None] | None = None) -> StepStats:  # fmt: skip
+    """One optimizer step over `sequences` (gradients accumulated across them), with clipping.
+
+    `reduce_grads` (distributed training) averages the gradients across workers in place before clipping;
+    every trainable parameter then has a gradient tensor, zeros where this worker produced none.
+    """
     optimizer.zero_grad(set_to_none=True)
     stats = StepStats()
     for seq in sequences:
         elements, dense = sample_elements(seq, drafter_cfg, generator, amortized)
         stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.segment_length, cfg.depth_weights,
                                     scale=1.0 / len(sequences), dense_mask=dense))  # fmt: skip
-    torch.nn.utils.clip_grad_norm_([p for p in drafter.parameters() if p.requires_grad], cfg.grad_clip)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if reduce_grads is not None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        reduce_grads([p.grad for p in params])
+    stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
     optimizer.step()
     scheduler.step()
     return stats

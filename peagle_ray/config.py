@@ -160,7 +160,11 @@ class TrainingConfig(_Section):
     """Ray Train workers (data-parallel)."""
 
     use_gpu: bool = False
-    """Train on GPUs (nccl, bf16 autocast) instead of CPUs (gloo, float32)."""
+    """Train on GPUs (one per worker, nccl) instead of CPUs (gloo)."""
+
+    precision: Literal["float32", "bfloat16"] = "float32"
+    """Training math: float32, or bfloat16 autocast (weights, optimizer state and the loss's softmax stay
+    float32). bfloat16 is the usual choice on GPUs; on CPUs float32 is faster."""
 
     learning_rate: float = Field(default=3e-4, gt=0.0)
     """Peak AdamW learning rate."""

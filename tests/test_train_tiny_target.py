@@ -86,6 +86,22 @@ def test_a_few_steps_reduce_the_loss(tiny_target, records, algorithm):
     assert history[-1].segments >= 2  # segment_length 40 splits these sequences
 
 
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_bfloat16_autocast_trains_and_tracks_float32(tiny_target, records, algorithm):
+    """training.precision = bfloat16 (the GPU setting) runs the same step under autocast: the first loss is
+    float32's within bf16 rounding, the loss falls, and weights and gradients stay float32."""
+    sequences = [TrainSequence.from_record(*r) for r in records]
+    losses = {}
+    for precision in ("float32", "bfloat16"):
+        cfg, drafter, teacher, _ = make(tiny_target, records, algorithm=algorithm)
+        cfg.training.precision = precision
+        history = train_loop(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1))
+        losses[precision] = [h.loss for h in history]
+        assert all(p.dtype == torch.float32 for p in drafter.parameters())
+    assert losses["bfloat16"][0] == pytest.approx(losses["float32"][0], rel=0.05)
+    assert sum(losses["bfloat16"][-3:]) < 0.8 * sum(losses["bfloat16"][:3]), losses["bfloat16"]
+
+
 def test_pinned_loss_trajectory(tiny_target, records):
     """Fixed seeds, fixed init, fixed data: the first steps' losses are pinned (catches silent changes)."""
     cfg, drafter, teacher, _ = make(tiny_target, records)

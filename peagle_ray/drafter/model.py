@@ -265,11 +265,12 @@ class Drafter(nn.Module):
     def _forward_ttt(self, tokens, aux_hidden, elements, mask_fn):
         """EAGLE-3 training-time test: depth d runs after depth d-1, reusing its keys and values; the
         hidden input of (a, d) is the pre-norm output of (a, d-1)."""
-        bounds = torch.searchsorted(elements.depth, torch.arange(int(elements.depth.max()) + 2)).tolist()
+        depths = torch.arange(int(elements.depth.max()) + 2, device=elements.depth.device)
+        bounds = torch.searchsorted(elements.depth, depths).tolist()
         outputs, past_kv, slot_of_anchor = [], None, None
         for d in range(len(bounds) - 1):
             rows = slice(bounds[d], bounds[d + 1])
-            step = elements.select(torch.arange(rows.start, rows.stop))
+            step = elements.select(slice(rows.start, rows.stop))
             ids = tokens[step.position]  # ground-truth next tokens (teacher forcing)
             if d == 0:
                 hidden = self.fc(aux_hidden[step.anchor])
@@ -279,8 +280,8 @@ class Drafter(nn.Module):
             out, kv = self._layers(hidden, self.embed_tokens(ids), step.position, lambda last: mask, past_kv, 0)
             past_kv = kv if past_kv is None else [(torch.cat([p[0], k]), torch.cat([p[1], v]))
                                                   for p, (k, v) in zip(past_kv, kv)]  # fmt: skip
-            slot_of_anchor = torch.full((int(step.anchor.max()) + 1,), -1, dtype=torch.long)
-            slot_of_anchor[step.anchor] = torch.arange(len(step))
+            slot_of_anchor = torch.full((int(step.anchor.max()) + 1,), -1, dtype=torch.long, device=step.anchor.device)
+            slot_of_anchor[step.anchor] = torch.arange(len(step), device=step.anchor.device)
             outputs.append(out)
         return torch.cat(outputs)
 

@@ -98,6 +98,9 @@ class Elements:
     def select(self, index: torch.Tensor) -> Elements:
         return Elements(self.anchor[index], self.depth[index])
 
+    def to(self, device: torch.device) -> Elements:
+        return Elements(self.anchor.to(device), self.depth.to(device))
+
     @staticmethod
     def cat(parts: list[Elements]) -> Elements:
         return Elements(torch.cat([p.anchor for p in parts]), torch.cat([p.depth for p in parts]))

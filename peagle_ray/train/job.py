@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import copy
 import math
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -73,6 +75,21 @@ def all_reduce_stats(stats: StepStats, world: int) -> StepStats:
     return stats
 
 
+def step_throughput(positions: int, seconds: float, world: int, device: torch.device) -> dict[str, float]:
+    """Base tokens/s of the whole step (all workers' positions over the slowest worker's time) and the
+    largest per-worker peak memory so far (RSS on CPU, allocated memory on GPU)."""
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    total = torch.tensor([float(positions)], dtype=torch.float64)
+    slowest = torch.tensor([seconds, peak_mb], dtype=torch.float64)
+    if world > 1:
+        torch.distributed.all_reduce(total)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+    return {"train/tokens_per_s": float(total[0] / slowest[0]), "train/peak_memory_mb": float(slowest[1])}
+
+
 def broadcast_from_rank0(value: dict, world: int) -> dict:
     if world > 1:
         box = [value]
@@ -84,6 +101,7 @@ def broadcast_from_rank0(value: dict, world: int) -> dict:
 def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator) -> dict[str, float]:
     """Per-depth accuracy and loss on validation records, and offline greedy acceptance per position."""
     drafter.eval()
+    replayer = drafter if drafter.embed_tokens.weight.device.type == "cpu" else copy.deepcopy(drafter).cpu()
     stats = StepStats()
     k_draft = cfg.drafter.num_depths
     acceptance = Acceptance(k_draft)
@@ -92,10 +110,10 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
         elements, dense = sample_elements(seq, cfg.drafter, generator)
         stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.training.segment_length,
                                     cfg.training.depth_weights, scale=1 / len(records), dense_mask=dense,
-                                    backward=False))  # fmt: skip
+                                    backward=False, bf16=cfg.training.precision == "bfloat16"))  # fmt: skip
         ids, loss_mask = torch.as_tensor(record["input_ids"]).long(), torch.as_tensor(record["loss_mask"]).bool()
         start = int(loss_mask.nonzero()[0]) if loss_mask.any() else len(ids)  # replay the assistant's answer
-        replay_greedy(drafter, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
+        replay_greedy(replayer, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
     drafter.train()
     metrics = {"val/loss": stats.loss, "val/acceptance_length": acceptance.acceptance_length}
     metrics.update({f"val/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()) if not math.isnan(a)})
@@ -155,6 +173,7 @@ class MetricsBuffer:
 def train_worker(plan: dict) -> None:
     """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
     import ray.train
+    import ray.train.torch
 
     cfg = PeagleConfig.model_validate(plan["config"])
     context = ray.train.get_context()
@@ -162,6 +181,8 @@ def train_worker(plan: dict) -> None:
     counts = load_file(plan["token_counts"])["counts"]
     drafter, teacher, _ = drafter_for_target(Path(plan["target_dir"]), cfg.drafter, counts, len(plan["aux_layer_ids"]),
                                              torch.Generator().manual_seed(cfg.training.seed))  # fmt: skip
+    device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
+    drafter, teacher = drafter.to(device), teacher.to(device)
     optimizer, scheduler = make_optimizer(drafter, cfg.training)
     generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)  # COD differs per rank
     state = {"step": 0, "best_al": -1.0, "best_step": None, "target_dir": plan["target_dir"],
@@ -183,11 +204,13 @@ def train_worker(plan: dict) -> None:
         batch = [to_sequence(r) for r in itertools.islice(records, tcfg.sequences_per_step)]
         if len(batch) < tcfg.sequences_per_step:
             break  # data exhausted (epochs done) on this rank; equal splits end every rank together
+        started = time.perf_counter()
         stats = train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, tcfg, generator,
                            reduce_grads=lambda grads: all_reduce_mean(grads, world))  # fmt: skip
+        speed = step_throughput(stats.positions, time.perf_counter() - started, world, device)
         stats = all_reduce_stats(stats, world)
         metrics = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": scheduler.get_last_lr()[0],
-                   "train/elements": stats.elements, "train/segments": stats.segments}  # fmt: skip
+                   "train/elements": stats.elements, "train/segments": stats.segments, **speed}  # fmt: skip
         metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
         if step % tcfg.log_every == 0:
             buffer.add(step, metrics)

@@ -82,19 +82,20 @@ def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool, den
 
         return flex
     if dense is not None:
-        return lambda rows, cols: dense[rows, cols]
+        return lambda rows, cols: dense[rows, cols].to(doc_ids.device)
     return lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), doc_ids)
 
 
 def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, elements: Elements,
                       segment_length: int, depth_weights: list[float] | None, scale: float = 1.0,
                       loss_chunk: int = 1024, dense_mask: torch.Tensor | None = None,
-                      boundaries: list[int] | None = None, backward: bool = True) -> StepStats:  # fmt: skip
+                      boundaries: list[int] | None = None, backward: bool = True, bf16: bool = False) -> StepStats:  # fmt: skip
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
     With backward=False it only measures (validation): no graph is built.
 
     `boundaries` overrides the balanced split (tests use it for uneven splits); `dense_mask` is a
     precomputed (E, E) mask of `elements` (amortized), used only when the sequence is not split.
+    Runs on the drafter's device; `bf16` turns on bfloat16 autocast (the loss's softmax stays float32).
     """
     k = drafter.arch.num_depths
     weights = element_weights(elements, seq, k, depth_weights) * scale
@@ -102,7 +103,9 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
     if boundaries is None:
         boundaries = balanced_boundaries(elements, seq.num_positions, segment_length)
     segments = partition(elements, seq.doc_ids, boundaries)
-    use_flex = seq.tokens.device.type == "cuda"
+    device = drafter.embed_tokens.weight.device  # bookkeeping stays on the CPU; the math runs on `device`
+    use_flex = device.type == "cuda"
+    tokens, hidden, teacher_hidden = (t.to(device) for t in (seq.tokens, seq.hidden, seq.teacher_hidden))
     key = lambda e: e.anchor * k + e.depth  # noqa: E731  unique id of an element
     index_of = torch.full((seq.num_positions * k,), -1, dtype=torch.long)
     index_of[key(elements)] = torch.arange(len(elements))
@@ -114,16 +117,18 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
         if not rows.any():
             continue
         dense = dense_mask if len(segments) == 1 else None
-        mask_fn = mask_function(segment.elements, seq.doc_ids, use_flex, dense)
+        on_device = segment.elements.to(device)
+        mask_fn = mask_function(on_device, seq.doc_ids.to(device), use_flex, dense)
         own = segment.own.select(rows)
-        with torch.set_grad_enabled(backward):
-            out = drafter.forward_elements(seq.tokens, seq.hidden, segment.elements, mask_fn, len(segment.context))
-            loss, kl, correct = kl_loss(drafter.norm(out[rows]), drafter.lm_head.weight, seq.teacher_hidden[own.position],
-                                        teacher, weights[own_index[rows]].to(out.dtype), loss_chunk)  # fmt: skip
+        with torch.set_grad_enabled(backward), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            out = drafter.forward_elements(tokens, hidden, on_device, mask_fn, len(segment.context))
+            loss, kl, correct = kl_loss(drafter.norm(out[rows.to(device)]), drafter.lm_head.weight,
+                                        teacher_hidden[own.position.to(device)], teacher,
+                                        weights[own_index[rows]].to(device, out.dtype), loss_chunk)  # fmt: skip
         if backward:
             loss.backward()
         stats.loss += float(loss.detach())
-        _accumulate(stats, own.depth, kl, correct, k)
+        _accumulate(stats, own.depth, kl.cpu(), correct.cpu(), k)
     return stats
 
 
@@ -179,7 +184,8 @@ def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequenc
     for seq in sequences:
         elements, dense = sample_elements(seq, drafter_cfg, generator, amortized)
         stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.segment_length, cfg.depth_weights,
-                                    scale=1.0 / len(sequences), dense_mask=dense))  # fmt: skip
+                                    scale=1.0 / len(sequences), dense_mask=dense,
+                                    bf16=cfg.precision == "bfloat16"))  # fmt: skip
     params = [p for p in drafter.parameters() if p.requires_grad]
     if reduce_grads is not None:
         for p in params:

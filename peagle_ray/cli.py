@@ -16,7 +16,7 @@ from pathlib import Path
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
 
 EXIT_NOT_BUILT = 3
-BENCH_NOT_BUILT = ["train", "e2e", "load"]
+BENCH_NOT_BUILT = ["e2e", "load"]
 
 SUBCOMMANDS = {
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
@@ -157,6 +157,15 @@ def _cmd_bench_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import train
+
+    result = train.run(_config(args), tuple(args.workers), args.steps, args.seq_len,
+                       progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    _write_json(result, args.json)
+    return 0
+
+
 def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     kinds = sub.add_subparsers(dest="kind", metavar="kind", required=True)
     latency = kinds.add_parser("draft-latency", help="Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.")
@@ -185,9 +194,16 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     capture.add_argument("--seq-len", type=int, default=256)
     _add_config_args(capture)
     capture.set_defaults(func=_cmd_bench_capture)
+    train = kinds.add_parser("train", help="Base tokens/s and peak memory per worker of the Ray Train job for 1 and 2 "
+                                           "workers (synthetic records of the target's shape).")  # fmt: skip
+    train.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    train.add_argument("--steps", type=int, default=6, help="Steps per worker count (the first is warm-up).")
+    train.add_argument("--seq-len", type=int, default=1024, help="Positions per training sequence.")
+    _add_config_args(train)
+    train.set_defaults(func=_cmd_bench_train)
     for kind in BENCH_NOT_BUILT:
         kinds.add_parser(kind, help="Not built yet.").set_defaults(func=_not_built(f"bench {kind}"))
-    for parser in (latency, memory, masks, capture):
+    for parser in (latency, memory, masks, capture, train):
         parser.add_argument("--json", type=Path, help="Also write the result to this JSON file.")
 
 

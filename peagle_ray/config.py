@@ -338,6 +338,17 @@ def build_config(data: dict[str, Any] | None = None) -> PeagleConfig:
         raise ConfigError(_format_errors(err)) from None
 
 
+def with_values(cfg: PeagleConfig, values: dict[str, Any]) -> PeagleConfig:
+    """A validated copy of `cfg` with dotted fields replaced, e.g. {"training.max_steps": 10}."""
+    data = cfg.model_dump(mode="json")
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if section not in data or name not in data[section]:
+            raise ConfigError(f"{key}: no such config field")
+        data[section][name] = value
+    return build_config(data)
+
+
 def _apply_override(data: dict[str, Any], override: str) -> None:
     """Apply `section.field=value` (value parsed as YAML) to a nested dict in place."""
     key, sep, raw = override.partition("=")

@@ -1,5 +1,7 @@
 """The training-memory benchmark runs its configurations in subprocesses and reports each (tiny sizes here)."""
 
+import pytest
+
 from peagle_ray.bench import train_memory
 
 
@@ -12,3 +14,18 @@ def test_train_memory_reports_every_configuration():
     assert rows[0]["segments"] >= 2 and rows[1]["segments"] == 1
     assert rows[0]["elements"] == rows[1]["elements"]  # same seeded COD sampling
     assert all(r["peak_rss_mb"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_bench_train_measures_one_and_two_workers(tiny_target, ray_local):
+    """The real Ray Train job (tiny target, synthetic records) reports tokens/s and peak memory per worker."""
+    from peagle_ray.bench import train
+    from peagle_ray.config import build_config
+
+    cfg = build_config({"target": {"path": str(tiny_target)}, "drafter": {"num_depths": 3, "draft_vocab_size": 64}})
+    result = train.run(cfg, workers=(1, 2), steps=2, seq_len=48, progress=lambda _line: None)
+    assert [r["workers"] for r in result["results"]] == [1, 2]
+    for row in result["results"]:
+        assert row["tokens_per_s"] > 0 and row["peak_memory_mb_per_worker"] > 100, row
+        assert row["tokens_per_s_per_worker"] == pytest.approx(row["tokens_per_s"] / row["workers"], abs=0.1)
+    assert result["two_worker_speedup"] > 0
+    assert result["peer_trainer"]["ran"] is False and result["peer_trainer"]["reason"]

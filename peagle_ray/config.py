@@ -162,6 +162,9 @@ class TrainingConfig(_Section):
     use_gpu: bool = False
     """Train on GPUs (one per worker, nccl) instead of CPUs (gloo)."""
 
+    cpus_per_worker: int = Field(default=1, ge=1)
+    """CPUs reserved for each worker; Ray sets the worker's OMP_NUM_THREADS (torch's threads) to it."""
+
     precision: Literal["float32", "bfloat16"] = "float32"
     """Training math: float32, or bfloat16 autocast (weights, optimizer state and the loss's softmax stay
     float32). bfloat16 is the usual choice on GPUs; on CPUs float32 is faster."""

@@ -4,7 +4,8 @@ gradient all-reduce, MLflow) for 1 and 2 workers, on the drafter the config buil
 
 The records are synthetic: `seq_len` random token ids of the target's vocabulary with random hidden states
 of the target's shape, every position supervised (timing and memory do not depend on the values). Each
-worker count trains `steps` steps of one sequence per worker; tokens/s is the median over the steps after
+worker count trains `steps` steps of one sequence per worker, the cluster's CPUs split evenly between the
+workers (training.cpus_per_worker; Ray sets each worker's torch threads to it); tokens/s is the median over the steps after
 the first (warm-up) of the job's own `train/tokens_per_s` (all workers' positions / the slowest worker's
 step time) and peak memory the job's `train/peak_memory_mb` (largest worker RSS), both read back from
 MLflow.
@@ -13,6 +14,7 @@ MLflow.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -66,14 +68,19 @@ def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int
 
 def run(cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, seq_len: int = 1024,
         progress=print) -> dict:  # fmt: skip
+    import ray
     from mlflow.tracking import MlflowClient
+
+    from peagle_ray.capture.run import ensure_ray
 
     from peagle_ray.config import with_values
     from peagle_ray.target import resolve_target_path
     from peagle_ray.train.job import run_training
 
+    ensure_ray()
     target_dir = resolve_target_path(cfg)
     aux = len(cfg.capture.aux_layer_ids or read_target_info(target_dir).default_aux_layer_ids())
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else os.cpu_count() or 1
     results = []
     with tempfile.TemporaryDirectory(prefix="peagle-bench-train-") as tmp:
         work = Path(tmp)
@@ -84,7 +91,7 @@ def run(cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, se
                 "capture.mode": "offline", "capture.output_dir": str(work / "hidden"),
                 "data.output_dir": str(work / "data"), "training.num_workers": n, "training.max_steps": steps,
                 "training.validate_every": steps, "training.sequences_per_step": 1, "training.log_every": 1,
-                "training.storage_path": str(work / "runs"), "training.run_name": f"bench-{n}-workers",
+                "training.cpus_per_worker": max(1, cpus // n), "training.storage_path": str(work / "runs"), "training.run_name": f"bench-{n}-workers",
                 "tracking.tracking_uri": uri, "tracking.registered_model": None})  # fmt: skip
             progress(f"[bench train] {n} worker(s): {steps} steps of {seq_len} positions per worker")
             started = time.perf_counter()
@@ -95,7 +102,7 @@ def run(cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, se
                                                             key=lambda m: m.step)]  # fmt: skip
             speed = history("train/tokens_per_s")[1:] or history("train/tokens_per_s")
             tokens_per_s = statistics.median(speed)
-            results.append({"workers": n, "tokens_per_s": round(tokens_per_s, 1),
+            results.append({"workers": n, "cpus_per_worker": max(1, cpus // n), "tokens_per_s": round(tokens_per_s, 1),
                             "tokens_per_s_per_worker": round(tokens_per_s / n, 1),
                             "peak_memory_mb_per_worker": round(max(history("train/peak_memory_mb")), 1),
                             "elements_per_step_per_worker": statistics.median(history("train/elements")),

@@ -182,6 +182,8 @@ def train_worker(plan: dict) -> None:
     drafter, teacher, _ = drafter_for_target(Path(plan["target_dir"]), cfg.drafter, counts, len(plan["aux_layer_ids"]),
                                              torch.Generator().manual_seed(cfg.training.seed))  # fmt: skip
     device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.training.cpus_per_worker)  # whatever OMP_NUM_THREADS the process inherited
     drafter, teacher = drafter.to(device), teacher.to(device)
     optimizer, scheduler = make_optimizer(drafter, cfg.training)
     generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)  # COD differs per rank
@@ -312,7 +314,8 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds, val_ds):
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=plan,
-        scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=cfg.training.use_gpu),
+        scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=cfg.training.use_gpu,
+                                     resources_per_worker={"CPU": cfg.training.cpus_per_worker}),
         run_config=RunConfig(
             name=cfg.training.run_name,
             storage_path=plan["storage_path"],

@@ -1,0 +1,247 @@
+"""The drafting-enabled REST endpoint: vLLM's OpenAI server inside a Ray Serve deployment.
+
+One replica builds vLLM's own FastAPI app (every OpenAI route vLLM has: /v1/models, /v1/completions,
+/v1/chat/completions with streaming, /health, /metrics, bearer-token auth on /v1 when a token is set) around
+an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_drafting). peagle-ray adds:
+
+  * request limits checked before vLLM sees the request: HTTP 400 naming the field and value for a
+    non-object body, a `max_tokens` that is not an integer in 1..serving.max_tokens_limit, or a prompt
+    longer than serving.max_prompt_tokens tokens (vLLM's own validation answers every other malformed
+    request with a 4xx);
+  * GET /v1/speculative_stats: drafts, accepted tokens, acceptance per position and AL as JSON, and the
+    same as Prometheus gauges (peagle_acceptance_length, peagle_acceptance_rate{position}) on /metrics.
+
+    url = start_endpoint(cfg, target_dir, drafter_dir)     # serve.run; blocks until ready
+    stop_endpoint()
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ray import serve
+
+from peagle_ray.config import PeagleConfig
+from peagle_ray.engine import vllm_cpu_env
+
+APP_NAME = "peagle-openai"
+LIMITED_ROUTES = ("/v1/completions", "/v1/chat/completions")
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    path: str
+    algorithm: str  # "peagle" | "eagle3"
+    num_speculative_tokens: int  # the K exported (or recommended by evaluation)
+
+
+def read_drafter(drafter_dir: Path) -> DrafterInfo:
+    """The exported drafter's algorithm and K; refuses anything but a safetensors speculators export."""
+    drafter_dir = Path(drafter_dir)
+    config_file = drafter_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; export one with `peagle-ray export`")
+    unsafe = sorted(p.name for p in drafter_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+    if unsafe or not list(drafter_dir.glob("*.safetensors")):
+        raise ValueError(f"drafter {drafter_dir}: weights must be safetensors only; found {unsafe or 'no .safetensors'}")
+    config = json.loads(config_file.read_text())
+    algorithm = config.get("speculators_model_type")
+    if algorithm not in ("peagle", "eagle3"):
+        raise ValueError(f"drafter {drafter_dir}: speculators_model_type must be peagle or eagle3; got {algorithm!r}")
+    method = config["speculators_config"]["proposal_methods"][0]
+    return DrafterInfo(str(drafter_dir.resolve()), algorithm, int(method["speculative_tokens"]))
+
+
+def speculative_config(drafter: DrafterInfo, k: int | None = None) -> dict:
+    spec = {"model": drafter.path, "method": "eagle3", "num_speculative_tokens": k or drafter.num_speculative_tokens}
+    if drafter.algorithm == "peagle":
+        spec["parallel_drafting"] = True
+    return spec
+
+
+def vllm_args(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None,
+              served_name: str | None = None) -> list[str]:  # fmt: skip
+    """vLLM OpenAI-server command-line arguments for the target (+ drafter)."""
+    args = ["--model", str(target_dir), "--served-model-name", served_name or Path(target_dir).name,
+            "--dtype", cfg.target.dtype, "--max-model-len", str(cfg.target.max_model_len),
+            "--load-format", "safetensors", "--seed", "0"]  # fmt: skip
+    if not cfg.training.use_gpu:
+        args.append("--enforce-eager")  # CPU: skip long compiles
+    if cfg.target.trust_remote_code:
+        args.append("--trust-remote-code")
+    if drafter is not None:
+        args += ["--speculative-config", json.dumps(speculative_config(drafter, k))]
+    if cfg.serving.api_token:
+        args += ["--api-key", cfg.serving.api_token]
+    return args
+
+
+def openai_error(message: str, param: str | None, status: int = 400) -> tuple[int, bytes]:
+    body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}}
+    return status, json.dumps(body).encode()
+
+
+class RequestLimits:
+    """Pure ASGI middleware: checks the body of POST /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, app, tokenizer, max_prompt_tokens: int, max_tokens_limit: int):
+        self.app, self.tokenizer = app, tokenizer
+        self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        problem = self.check(body, scope["path"])
+        if problem is not None:
+            status, payload = problem
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            return await send({"type": "http.response.body", "body": payload})
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then pass disconnects through
+
+        return await self.app(scope, replay, send)
+
+    def check(self, body: bytes, path: str) -> tuple[int, bytes] | None:
+        try:
+            request = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return openai_error(f"request body is not valid JSON: {err}", None)
+        if not isinstance(request, dict):
+            return openai_error(f"request body must be a JSON object; got {type(request).__name__}", None)
+        for name in TOKEN_FIELDS:
+            value = request.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                return openai_error(f"{name} must be an integer; got {value!r}", name)
+            if not 1 <= value <= self.max_tokens_limit:
+                return openai_error(f"{name} must be between 1 and {self.max_tokens_limit}; got {value}", name)
+        field = "messages" if path.endswith("chat/completions") else "prompt"
+        lengths = self.prompt_lengths(request.get(field), chat=field == "messages")
+        if lengths and max(lengths) > self.max_prompt_tokens:
+            return openai_error(f"{field} is {max(lengths)} tokens; the limit is {self.max_prompt_tokens}", field)
+        return None
+
+    def prompt_lengths(self, value, chat: bool) -> list[int]:
+        """Token counts of the prompt(s); [] when the value is malformed (vLLM's validation reports it)."""
+        try:
+            if chat:
+                text = self.tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+                return [len(self.tokenizer(text, add_special_tokens=False)["input_ids"])]
+            if isinstance(value, str):
+                return [len(self.tokenizer(value)["input_ids"])]
+            if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+                return [len(value)]
+            if isinstance(value, list):
+                return [len(v) if isinstance(v, list) else len(self.tokenizer(v)["input_ids"]) for v in value]
+        except Exception:  # noqa: BLE001 - malformed prompts are vLLM's to reject with its own message
+            return []
+        return []
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """Plain data the replica builds its app from."""
+
+    vllm_args: list[str]
+    target_dir: str
+    max_prompt_tokens: int
+    max_tokens_limit: int
+    drafter: DrafterInfo | None
+
+
+@serve.deployment(name="OpenAIEndpoint", max_ongoing_requests=256, health_check_period_s=10)
+@serve.ingress()
+class OpenAIEndpoint:
+    def __init__(self, spec: EndpointSpec):
+        self.spec = spec
+        self.engine = None
+
+    async def __serve_build_asgi_app__(self):
+        """Called by Serve in the replica after __init__: start the engine and build vLLM's app on it."""
+        from fastapi.responses import JSONResponse
+        from transformers import AutoTokenizer
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        from peagle_ray.serve.stats import SpecStatsCollector, current_stats
+
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.spec.vllm_args)
+        self._engine_context = build_async_engine_client(args)
+        self.engine = await self._engine_context.__aenter__()
+        tasks = await self.engine.get_supported_tasks()
+        app = build_app(args, tasks, self.engine.model_config)
+        await init_app_state(self.engine, app.state, args, tasks)
+        app.router.lifespan_context = _no_lifespan  # vLLM's only starts a periodic stats print
+
+        drafter = self.spec.drafter
+
+        @app.get("/v1/speculative_stats")
+        async def speculative_stats():
+            info = {"algorithm": drafter.algorithm, "drafter": drafter.path} if drafter else {"algorithm": None}
+            return JSONResponse({**info, **current_stats().to_json()})
+
+        try:
+            get_prometheus_registry().register(SpecStatsCollector())
+        except ValueError:
+            pass  # already registered in this process
+        tokenizer = AutoTokenizer.from_pretrained(self.spec.target_dir)
+        # wrapped rather than app.add_middleware: vLLM's app has already built its middleware stack
+        return RequestLimits(app, tokenizer, self.spec.max_prompt_tokens, self.spec.max_tokens_limit)
+
+    def __del__(self):
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+
+
+class _no_lifespan:
+    def __init__(self, app):
+        pass
+
+    async def __aenter__(self):
+        return None
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, k: int | None = None):
+    """The Serve application (bind only; `serve run` / `serve.run` deploys it)."""
+    drafter = read_drafter(drafter_dir) if drafter_dir else None
+    k = k or cfg.serving.num_speculative_tokens
+    spec = EndpointSpec(vllm_args(cfg, target_dir, drafter, k), str(target_dir), cfg.serving.max_prompt_tokens,
+                        cfg.serving.max_tokens_limit, drafter)  # fmt: skip
+    env = {key: value for key, value in vllm_cpu_env(cfg.target.kv_cache_gib, {}).items()}
+    options = {"num_cpus": 0, "num_gpus": 1 if cfg.training.use_gpu else 0, "runtime_env": {"env_vars": env}}
+    return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)
+
+
+def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, k: int | None = None) -> str:
+    """Deploy on the running Ray cluster; returns the base URL once the replica is ready."""
+    serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
+    serve.run(endpoint_app(cfg, target_dir, drafter_dir, k), name=APP_NAME, route_prefix="/")
+    return f"http://{cfg.serving.host}:{cfg.serving.port}"
+
+
+def stop_endpoint() -> None:
+    serve.delete(APP_NAME)

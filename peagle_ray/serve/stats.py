@@ -1,0 +1,111 @@
+"""Speculative-decoding statistics from vLLM's counters, as JSON and as Prometheus gauges.
+
+vLLM counts drafts, draft tokens, accepted tokens and accepted tokens per position
+(`vllm:spec_decode_*`). From them: acceptance at position i = accepted_per_pos[i] / drafts (the fraction of
+drafts whose i-th token was accepted) and AL = 1 + accepted / drafts.
+
+e.g. 10 drafts, accepted per position [8, 5, 1] -> acceptance [0.8, 0.5, 0.1], AL = 1 + 14/10 = 2.4.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+PREFIX = "vllm:spec_decode_"
+
+
+@dataclass
+class SpecStats:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "acceptance_per_position": self.acceptance_per_position,
+                "acceptance_length": self.acceptance_length}  # fmt: skip
+
+    @staticmethod
+    def from_counters(counters: dict[str, int | list[int]]) -> SpecStats:
+        """From {name without the vllm:spec_decode_ prefix: value}, summed over engines already."""
+        return SpecStats(int(counters.get("num_drafts", 0)), int(counters.get("num_draft_tokens", 0)),
+                         int(counters.get("num_accepted_tokens", 0)),
+                         [int(v) for v in counters.get("num_accepted_tokens_per_pos", [])])  # fmt: skip
+
+    def minus(self, before: SpecStats) -> SpecStats:
+        """The counts accumulated since `before` (counters only grow)."""
+        n = len(self.accepted_per_position)
+        earlier = before.accepted_per_position + [0] * (n - len(before.accepted_per_position))
+        return SpecStats(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                         self.accepted_tokens - before.accepted_tokens,
+                         [a - b for a, b in zip(self.accepted_per_position, earlier)])  # fmt: skip
+
+
+def counters_from_snapshot(metrics) -> dict[str, int | list[int]]:
+    """vLLM's `get_metrics()` / `get_metrics_snapshot()` list -> summed spec-decode counters."""
+    counters: dict[str, int | list[int]] = {}
+    for metric in metrics:
+        if not metric.name.startswith(PREFIX):
+            continue
+        name = metric.name[len(PREFIX) :]
+        values = getattr(metric, "values", None)
+        if values is not None:
+            old = list(counters.get(name, []))
+            old += [0] * (len(values) - len(old))
+            counters[name] = [a + b for a, b in zip(old, list(values) + [0] * (len(old) - len(values)))]
+        else:
+            counters[name] = int(counters.get(name, 0)) + int(metric.value)
+    return counters
+
+
+def current_stats() -> SpecStats:
+    """This process's vLLM counters (the engine front-end records them in the Prometheus registry)."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    return SpecStats.from_counters(counters_from_snapshot(get_metrics_snapshot()))
+
+
+class SpecStatsCollector:
+    """Prometheus collector: peagle_acceptance_length and peagle_acceptance_rate{position="i"} (i from 1).
+
+    It reads vLLM's counters from the same registry it is registered in, so a nested collect (the registry
+    collecting this collector while it reads the registry) yields nothing, and `describe` lets `register`
+    learn the names without collecting.
+    """
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def describe(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("peagle_acceptance_length", "")
+        yield GaugeMetricFamily("peagle_acceptance_rate", "", labels=["position"])
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        if getattr(self._local, "busy", False):
+            return
+        self._local.busy = True
+        try:
+            stats = current_stats()
+        finally:
+            self._local.busy = False
+        al = GaugeMetricFamily("peagle_acceptance_length", "Mean tokens per speculative step: 1 + accepted / drafts")
+        al.add_metric([], stats.acceptance_length)
+        rate = GaugeMetricFamily("peagle_acceptance_rate", "Fraction of drafts whose i-th token was accepted",
+                                 labels=["position"])  # fmt: skip
+        for i, r in enumerate(stats.acceptance_per_position, start=1):
+            rate.add_metric([str(i)], r)
+        yield al
+        yield rate

@@ -78,6 +78,44 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    from ray import serve
+
+    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.serve.app import default_drafter_dir, start_endpoint, stop_endpoint
+    from peagle_ray.target import resolve_target_path
+
+    cfg = _config(args)
+    drafter = None if args.no_drafter else (args.drafter or default_drafter_dir(cfg))
+    ensure_ray()
+    url = start_endpoint(cfg, resolve_target_path(cfg), drafter, args.num_speculative_tokens)
+    print(endpoint_banner(url, cfg), flush=True)
+    if args.detach:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping the endpoint", file=sys.stderr)
+    finally:
+        stop_endpoint()
+        serve.shutdown()
+    return 0
+
+
+def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
+    """What to tell a user once the endpoint is up: the URL, a curl to try, where the statistics are."""
+    auth = f' -H "Authorization: Bearer {cfg.serving.api_token}"' if cfg.serving.api_token else ""
+    body = '{"model": "MODEL", "messages": [{"role": "user", "content": "Write a haiku about CPUs."}], "max_tokens": 64}'
+    return "\n".join([
+        f"endpoint: {url}/v1 (OpenAI-compatible; models: curl{auth} {url}/v1/models)",
+        f"try:      curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        f"stats:    {url}/v1/speculative_stats (JSON), {url}/metrics (Prometheus), {url}/health",
+    ])  # fmt: skip
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from peagle_ray.train.job import export_checkpoint
 
@@ -256,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "demo":
             _add_config_args(sub)
             sub.set_defaults(func=_cmd_demo)
+        elif name == "serve":
+            sub.description = (help_text + " Joins the cluster in RAY_ADDRESS or starts a local one; binds to "
+                               "serving.host:serving.port (loopback by default); bearer-token auth when "
+                               "serving.api_token is set. Ctrl-C stops it.")  # fmt: skip
+            _add_config_args(sub)
+            sub.add_argument("--drafter", type=Path, help="Exported drafter directory (default: the training run's "
+                                                          "export, <training.storage_path>/<run_name>/export).")  # fmt: skip
+            sub.add_argument("--no-drafter", action="store_true", help="Serve the target alone (no speculation).")
+            sub.add_argument("--num-speculative-tokens", type=int, help="K (default: serving.num_speculative_tokens, "
+                                                                        "else the drafter's recommended K).")  # fmt: skip
+            sub.add_argument("--detach", action="store_true", help="Return once deployed; the endpoint keeps running "
+                                                                   "on the cluster (stop: `serve shutdown`).")  # fmt: skip
+            sub.set_defaults(func=_cmd_serve)
         else:
             _add_config_args(sub)
             sub.set_defaults(func=_not_built(name))

@@ -22,6 +22,6 @@ def ray_local():
     """A local Ray cluster for the integration tests (started once, shut down at the end)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

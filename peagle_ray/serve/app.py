@@ -245,3 +245,24 @@ def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None
 
 def stop_endpoint() -> None:
     serve.delete(APP_NAME)
+
+
+def default_drafter_dir(cfg: PeagleConfig) -> Path:
+    """Where the training job exports its best drafter for this config's run."""
+    return Path(cfg.training.storage_path) / cfg.training.run_name / "export"
+
+
+def app_builder(args: dict):
+    """`serve run peagle_ray.serve.app:app_builder config=FILE [drafter=DIR] [k=K]` and deploy/serve.yaml.
+
+    args: config (YAML path; default built-in defaults), drafter (export dir; default the config's training
+    run export), k (speculative tokens; default serving.num_speculative_tokens or the drafter's K),
+    set (list of SECTION.FIELD=VALUE overrides).
+    """
+    from peagle_ray.config import load_config
+    from peagle_ray.target import resolve_target_path
+
+    cfg = load_config(args.get("config"), list(args.get("set") or []))
+    drafter = args.get("drafter") or default_drafter_dir(cfg)
+    return endpoint_app(cfg, resolve_target_path(cfg), Path(drafter) if drafter != "none" else None,
+                        int(args["k"]) if args.get("k") else None)  # fmt: skip

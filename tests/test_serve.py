@@ -1,0 +1,167 @@
+"""The REST endpoint: the tiny target + an exported tiny drafter in Ray Serve, talked to with the OpenAI
+client and raw HTTP. Greedy outputs must equal the target's own greedy decoding (float32)."""
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from peagle_ray.config import build_config
+from peagle_ray.drafter.build import drafter_for_target
+from peagle_ray.export.speculators import export_drafter
+from peagle_ray.serve.app import RequestLimits, read_drafter, start_endpoint, stop_endpoint, vllm_args
+from peagle_ray.serve.openai_process import free_port
+
+TOKEN = "test-token-123"
+PROMPTS = ["def read_file(path):", "The socket module provides", "import os\nimport sys\n"]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, tmp_path_factory):
+    cfg = build_config({"drafter": {"num_depths": 3, "draft_vocab_size": 400}})
+    drafter, _, _ = drafter_for_target(tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0))
+    return export_drafter(drafter, tmp_path_factory.mktemp("served") / "drafter", tiny_target, [2, 3, 5], 3)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_target, drafter_dir, ray_local):
+    cfg = build_config({"target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
+                        "serving": {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64,
+                                    "max_prompt_tokens": 200}})  # fmt: skip
+    url = start_endpoint(cfg, tiny_target, drafter_dir)
+    yield url, tiny_target.name
+    stop_endpoint()
+
+
+def client(url, token=TOKEN):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
+
+
+def hf_greedy(target, prompt_ids: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def post(url, path, body, token=TOKEN, raw: bytes | None = None):
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url + path, data=raw if raw is not None else json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_completions_chat_and_streaming_equal_target_greedy(endpoint, tiny_target):
+    url, model = endpoint
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    api = client(url)
+    assert [m.id for m in api.models.list().data] == [model]
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        result = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        assert result.choices[0].token_ids == hf_greedy(tiny_target, ids, 24), prompt
+        streamed = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+        assert "".join(chunk.choices[0].text for chunk in streamed) == result.choices[0].text
+    messages = [{"role": "user", "content": "How do I open a file?"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]  # fmt: skip
+    chat = api.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
+                                       extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    expected = tokenizer.decode(hf_greedy(tiny_target, chat_ids, 20), skip_special_tokens=False)
+    assert chat.choices[0].message.content == expected
+    pieces = api.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == expected
+
+
+def test_speculative_stats_as_json_and_prometheus(endpoint):
+    url, model = endpoint
+    client(url).completions.create(model=model, prompt="def main():", max_tokens=16, temperature=0)
+    request = urllib.request.Request(f"{url}/v1/speculative_stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        stats = json.loads(resp.read())
+    assert stats["algorithm"] == "peagle" and stats["drafts"] > 0 and stats["draft_tokens"] == 3 * stats["drafts"]
+    assert len(stats["acceptance_per_position"]) == 3
+    assert stats["acceptance_length"] == pytest.approx(1 + stats["accepted_tokens"] / stats["drafts"])
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    assert "peagle_acceptance_length " in text and "vllm:spec_decode_num_drafts_total" in text
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
+        assert resp.status == 200
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "word " * 400, "max_tokens": 4}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "not a list", "max_tokens": 4}, 400, None),
+    ("/v1/completions", [1, 2, 3], 400, "JSON object"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": "hot"}, 400, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD_REQUESTS)
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(endpoint, path, body, status, words):
+    url, model = endpoint
+    if isinstance(body, dict):
+        body = {"model": model, **body}
+    code, answer = post(url, path, body)
+    assert code == status, answer
+    assert "error" in answer and (words is None or words in answer["error"]["message"]), answer
+    code, good = post(url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4})
+    assert code == 200 and good["choices"][0]["text"] is not None
+
+
+def test_malformed_json_and_unknown_model(endpoint):
+    url, model = endpoint
+    assert post(url, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert post(url, "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 4})[0] == 404
+
+
+def test_auth_rejects_missing_and_wrong_tokens(endpoint):
+    url, model = endpoint
+    body = {"model": model, "prompt": "hi", "max_tokens": 4}
+    assert post(url, "/v1/completions", body, token=None)[0] == 401
+    assert post(url, "/v1/completions", body, token="wrong")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(url, token="wrong").models.list()
+    assert post(url, "/v1/completions", body)[0] == 200
+
+
+def test_auth_is_off_by_default_and_loopback_is_the_default_host(tiny_target, drafter_dir):
+    cfg = build_config({})
+    assert cfg.serving.host == "127.0.0.1" and cfg.serving.api_token is None
+    args = vllm_args(cfg, tiny_target, read_drafter(drafter_dir))
+    assert "--api-key" not in args and "--trust-remote-code" not in args
+    assert args[args.index("--load-format") + 1] == "safetensors"
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 3
+
+
+def test_drafter_with_pickled_weights_is_refused(drafter_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((drafter_dir / "config.json").read_text())
+    (bad / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ValueError, match="safetensors only"):
+        read_drafter(bad)
+
+
+def test_request_limits_check_without_a_server(tiny_target):
+    limits = RequestLimits(None, AutoTokenizer.from_pretrained(tiny_target), max_prompt_tokens=5, max_tokens_limit=8)
+    assert limits.check(b'{"prompt": [1, 2, 3], "max_tokens": 8}', "/v1/completions") is None
+    status, body = limits.check(b'{"prompt": [1, 2, 3, 4, 5, 6]}', "/v1/completions")
+    assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
+    status, body = limits.check(b'{"prompt": "x", "max_completion_tokens": true}', "/v1/completions")
+    assert json.loads(body)["error"]["message"] == "max_completion_tokens must be an integer; got True"

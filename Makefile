@@ -11,7 +11,7 @@ test: setup
 	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS)
 
 demo: setup
-	$(VENV)/bin/peagle-ray demo $(DEMO_ARGS)
+	$(VENV)/bin/peagle-ray demo --config configs/demo.yaml $(DEMO_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -10,13 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
 
-EXIT_NOT_BUILT = 3
-BENCH_NOT_BUILT = ["e2e", "load"]
 
 SUBCOMMANDS = {
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
@@ -67,7 +64,7 @@ def _cmd_target_info(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from peagle_ray.demo import run_demo
 
-    run_demo(_config(args))
+    run_demo(_config(args), scale=args.scale, wait=not args.no_wait)
     return 0
 
 
@@ -114,6 +111,26 @@ def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
         f"try:      curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         f"stats:    {url}/v1/speculative_stats (JSON), {url}/metrics (Prometheus), {url}/health",
     ])  # fmt: skip
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from peagle_ray.eval.sweep import default_drafters, format_table, log_to_mlflow, run_eval
+    from peagle_ray.target import resolve_target_path
+    from peagle_ray.tracking import tracking_uri
+
+    cfg = _config(args)
+    drafters = default_drafters(cfg)
+    drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
+    if not drafters:
+        raise FileNotFoundError("no drafter to evaluate: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR")
+    results = run_eval(cfg, resolve_target_path(cfg), drafters, args.k)
+    _write_json(results, args.json)  # before MLflow: a tracking failure loses no measurement
+    print(format_table(results), file=sys.stderr)
+    storage = Path(cfg.training.storage_path)
+    with tracking_uri(cfg, storage / "mlflow") as uri:
+        runs = log_to_mlflow(uri, cfg, results, drafters, storage / "eval")
+    print(f"[eval] logged to MLflow runs {runs} at {uri}", file=sys.stderr)
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -204,6 +221,27 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import e2e
+    from peagle_ray.eval.sweep import default_drafters
+
+    cfg = _config(args)
+    drafters = default_drafters(cfg)
+    drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
+    if not drafters:
+        raise FileNotFoundError("no drafter to benchmark: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR")
+    _write_json(e2e.run(cfg, drafters, args.k), args.json)
+    return 0
+
+
+def _cmd_bench_load(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import load
+
+    _write_json(load.run(_config(args), args.url, args.clients, args.requests_per_client, args.max_tokens,
+                         args.drafter), args.json)  # fmt: skip
+    return 0
+
+
 def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     kinds = sub.add_subparsers(dest="kind", metavar="kind", required=True)
     latency = kinds.add_parser("draft-latency", help="Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.")
@@ -239,19 +277,24 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     train.add_argument("--seq-len", type=int, default=1024, help="Positions per training sequence.")
     _add_config_args(train)
     train.set_defaults(func=_cmd_bench_train)
-    for kind in BENCH_NOT_BUILT:
-        kinds.add_parser(kind, help="Not built yet.").set_defaults(func=_not_built(f"bench {kind}"))
-    for parser in (latency, memory, masks, capture, train):
+    e2e = kinds.add_parser("e2e", help="Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at "
+                                       "each one's best K (float32; greedy mismatches must be 0).")  # fmt: skip
+    e2e.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
+    e2e.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
+    e2e.add_argument("--k", type=int, nargs="+", help="K values to try (default: eval.k_values).")
+    _add_config_args(e2e)
+    e2e.set_defaults(func=_cmd_bench_e2e)
+    load = kinds.add_parser("load", help="N concurrent OpenAI clients against the endpoint: errors, p50/p99 "
+                                         "latency, tokens/s.")  # fmt: skip
+    load.add_argument("--url", help="A running endpoint (default: start one from the config, stop it after).")
+    load.add_argument("--drafter", type=Path, help="Drafter for an endpoint this command starts.")
+    load.add_argument("--clients", type=int, default=32)
+    load.add_argument("--requests-per-client", type=int, default=2)
+    load.add_argument("--max-tokens", type=int, default=64)
+    _add_config_args(load)
+    load.set_defaults(func=_cmd_bench_load)
+    for parser in (latency, memory, masks, capture, train, e2e, load):
         parser.add_argument("--json", type=Path, help="Also write the result to this JSON file.")
-
-
-def _not_built(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"peagle-ray {name}: not built yet; this subcommand has no implementation in this version.",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_NOT_BUILT
-
-    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,8 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "bench":
             _add_bench_commands(sub)
         elif name == "demo":
+            sub.description = (help_text + " Starts a local Ray cluster and MLflow server, prepares the target, "
+                               "builds data from the built-in suite (responses regenerated), trains P-EAGLE on "
+                               "streamed capture and the EAGLE-3 baseline on the same data, evaluates, exports, "
+                               "and serves the P-EAGLE drafter until Ctrl-C. `make demo` uses configs/demo.yaml.")  # fmt: skip
             _add_config_args(sub)
+            sub.add_argument("--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget).")
+            sub.add_argument("--no-wait", action="store_true", help="Stop everything after printing the results "
+                                                                    "instead of serving until Ctrl-C.")  # fmt: skip
             sub.set_defaults(func=_cmd_demo)
+        elif name == "eval":
+            sub.description = (help_text + " One vLLM engine per configuration (target alone, then each algorithm "
+                               "at each K) on the prepared validation prompts; writes the recommended K into "
+                               "each drafter's config and logs eval/* metrics and plots to MLflow.")  # fmt: skip
+            _add_config_args(sub)
+            sub.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
+            sub.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
+            sub.add_argument("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values).")
+            sub.add_argument("--json", type=Path, help="Also write the results to this JSON file.")
+            sub.set_defaults(func=_cmd_eval)
         elif name == "serve":
             sub.description = (help_text + " Joins the cluster in RAY_ADDRESS or starts a local one; binds to "
                                "serving.host:serving.port (loopback by default); bearer-token auth when "
@@ -307,9 +367,6 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--detach", action="store_true", help="Return once deployed; the endpoint keeps running "
                                                                    "on the cluster (stop: `serve shutdown`).")  # fmt: skip
             sub.set_defaults(func=_cmd_serve)
-        else:
-            _add_config_args(sub)
-            sub.set_defaults(func=_not_built(name))
     return parser
 
 

@@ -2,9 +2,8 @@ import json
 import subprocess
 import sys
 
-import pytest
 
-from peagle_ray.cli import EXIT_NOT_BUILT, SUBCOMMANDS, main
+from peagle_ray.cli import SUBCOMMANDS, main
 
 EXPECTED = ["target", "data", "train", "export", "eval", "serve", "demo", "bench"]
 
@@ -23,10 +22,9 @@ def test_help_lists_every_subcommand():
     assert sorted(SUBCOMMANDS) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("args", [["eval"], ["bench", "e2e"]])
-def test_unbuilt_subcommand_exits_non_zero(args, capsys):
-    assert main(args) == EXIT_NOT_BUILT
-    assert "not built yet" in capsys.readouterr().err
+def test_bench_e2e_without_any_drafter_fails_clearly(tmp_path, capsys):
+    assert main(["bench", "e2e", "--set", f"training.storage_path={tmp_path}"]) == 2
+    assert "no drafter to benchmark" in capsys.readouterr().err
 
 
 def test_bench_mask_writes_json(tmp_path):

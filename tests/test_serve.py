@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from peagle_ray.config import build_config
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter
-from peagle_ray.serve.app import RequestLimits, read_drafter, start_endpoint, stop_endpoint, vllm_args
-from peagle_ray.serve.openai_process import free_port
+from peagle_ray.serve.app import RequestLimits, free_port, read_drafter, start_endpoint, stop_endpoint, vllm_args
 
 TOKEN = "test-token-123"
 PROMPTS = ["def read_file(path):", "The socket module provides", "import os\nimport sys\n"]

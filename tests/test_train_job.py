@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from peagle_ray.capture.run import prepare_and_capture
 from peagle_ray.config import build_config
-from peagle_ray.serve.openai_process import free_port
+from peagle_ray.serve.app import free_port
 from peagle_ray.tracking import local_mlflow_server
 from peagle_ray.train.job import check_inputs, export_checkpoint, run_training
 

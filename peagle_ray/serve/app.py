@@ -18,6 +18,7 @@ an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,13 @@ from peagle_ray.engine import vllm_cpu_env
 APP_NAME = "peagle-openai"
 LIMITED_ROUTES = ("/v1/completions", "/v1/chat/completions")
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,277 @@
+"""`peagle-ray eval`: held-out prompts per category through vLLM with no speculation, the EAGLE-3 drafter
+and the P-EAGLE drafter for each K in eval.k_values; acceptance per position, AL, tokens/s, speedups and
+greedy mismatches against the target alone; the recommended K (best measured overall tokens/s) per
+algorithm, written to the JSON and to each drafter's config.json (speculative_tokens, used by serving).
+
+Each configuration is one vLLM engine in its own process (`vllm_run`): the acceptance prompts of a
+category run batched, the timing prompts at batch 1. Prompts are the prepared validation split (the
+prompt part of each conversation), eval.prompts_per_category per category.
+
+Per category and overall (DESIGN.md §4): k, acceptance_per_position, acceptance_length, tokens_per_s,
+baseline_tokens_per_s, speedup, greedy_mismatches.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from peagle_ray.config import PeagleConfig
+from peagle_ray.engine import vllm_cpu_env
+from peagle_ray.serve.app import read_drafter, speculative_config
+from peagle_ray.serve.stats import SpecStats
+
+ALGORITHMS = ("eagle3", "peagle")
+
+
+def run_name_for(cfg: PeagleConfig, algorithm: str) -> str:
+    """training.run_name for drafter.algorithm; the other algorithm's run (the demo's baseline) adds a suffix."""
+    return cfg.training.run_name if algorithm == cfg.drafter.algorithm else f"{cfg.training.run_name}-{algorithm}"
+
+
+def default_drafters(cfg: PeagleConfig) -> dict[str, Path]:
+    """The exports of this config's training runs that exist: {algorithm: <storage>/<run name>/export}."""
+    storage = Path(cfg.training.storage_path)
+    found = {a: storage / run_name_for(cfg, a) / "export" for a in ALGORITHMS}
+    return {a: d for a, d in found.items() if (d / "config.json").is_file()}
+
+
+def eval_prompts(cfg: PeagleConfig) -> dict[str, list[list[int]]]:
+    """{category: prompt token ids} from the prepared validation split, eval.prompts_per_category each."""
+    from peagle_ray.data.prepare import read_prepared
+
+    path = Path(cfg.data.output_dir) / "validation.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"data.output_dir = {cfg.data.output_dir} has no validation.jsonl; "
+                                "run `peagle-ray data prepare` first")  # fmt: skip
+    prompts: dict[str, list[list[int]]] = defaultdict(list)
+    for sample in read_prepared(Path(cfg.data.output_dir), "validation"):
+        if 1 in sample.loss_mask and len(prompts[sample.category]) < cfg.eval.prompts_per_category:
+            prompts[sample.category].append(sample.input_ids[: sample.loss_mask.index(1)])
+    if not prompts:
+        raise ValueError(f"data.output_dir = {cfg.data.output_dir}: the validation split has no prompts to evaluate")
+    return dict(sorted(prompts.items()))
+
+
+def run_engine(cfg: PeagleConfig, target_dir: Path, spec_config: dict | None, prompts: dict[str, list[list[int]]],
+               timing_prompts: int) -> dict:  # fmt: skip
+    spec = {"target": str(target_dir), "dtype": cfg.target.dtype, "max_model_len": cfg.target.max_model_len,
+            "speculative_config": spec_config, "max_new_tokens": cfg.eval.max_new_tokens, "acceptance": prompts,
+            "timing": {c: p[:timing_prompts] for c, p in prompts.items()}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_file.write_text(json.dumps(spec))
+        log = Path(cfg.serving.log_dir) / "eval-engine.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as sink:
+            proc = subprocess.run([sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
+                                  stdout=sink, stderr=subprocess.STDOUT, env=vllm_cpu_env(cfg.target.kv_cache_gib))  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"evaluation engine ({spec_config or 'target only'}) failed with exit code "
+                               f"{proc.returncode}; log: {log}")  # fmt: skip
+        return json.loads(out_file.read_text())
+
+
+def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
+    """Per category and "overall" metrics of one speculative run against the target-only run.
+
+    e.g. a category with counters {drafts 10, accepted 14, per position [8, 5, 1]} -> acceptance [0.8, 0.5,
+    0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s.
+    """
+    rows, total, timing, base_timing, mismatches = {}, SpecStats(), [0, 0.0], [0, 0.0], 0
+    for category, acceptance in run["acceptance"].items():
+        counters = SpecStats(**acceptance["counters"])
+        wrong = sum(a != b for a, b in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
+        t, b = run["timing"][category], baseline["timing"][category]
+        rows[category] = _row(k, counters, t["tokens"], t["seconds"], b["tokens"], b["seconds"], wrong)
+        total = _add(total, counters)
+        timing = [timing[0] + t["tokens"], timing[1] + t["seconds"]]
+        base_timing = [base_timing[0] + b["tokens"], base_timing[1] + b["seconds"]]
+        mismatches += wrong
+    rows["overall"] = _row(k, total, *timing, *base_timing, mismatches)
+    return rows
+
+
+def _add(a: SpecStats, b: SpecStats) -> SpecStats:
+    n = max(len(a.accepted_per_position), len(b.accepted_per_position))
+    pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
+    return SpecStats(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens,
+                     [x + y for x, y in zip(pad(a.accepted_per_position), pad(b.accepted_per_position))])  # fmt: skip
+
+
+def _row(k, counters: SpecStats, tokens, seconds, base_tokens, base_seconds, mismatches) -> dict:
+    tps = tokens / seconds if seconds else 0.0
+    base = base_tokens / base_seconds if base_seconds else 0.0
+    return {"k": k, "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
+            "acceptance_length": round(counters.acceptance_length, 4), "tokens_per_s": round(tps, 2),
+            "baseline_tokens_per_s": round(base, 2), "speedup": round(tps / base, 3) if base else None,
+            "greedy_mismatches": mismatches}  # fmt: skip
+
+
+def recommend_k(by_k: dict[int, dict]) -> int:
+    """The K with the best measured overall tokens/s (ties: the smaller K)."""
+    return max(sorted(by_k), key=lambda k: by_k[k]["overall"]["tokens_per_s"])
+
+
+def set_drafter_k(drafter_dir: Path, k: int) -> None:
+    """Write the recommended K into the exported drafter's config (serving's default K)."""
+    config_file = Path(drafter_dir) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = k
+    config_file.write_text(json.dumps(config, indent=2))
+
+
+def run_eval(cfg: PeagleConfig, target_dir: Path, drafters: dict[str, Path], k_values: list[int] | None = None,
+             progress: bool = True, write_k: bool = True) -> dict:  # fmt: skip
+    """The sweep; drafters = {"peagle": dir, "eagle3": dir} (either may be missing). write_k: store each
+    algorithm's recommended K in its drafter's config.json."""
+    prompts = eval_prompts(cfg)
+    k_values = sorted(k_values or cfg.eval.k_values)
+    plan = [(None, None)] + [(alg, k) for alg in ALGORITHMS if alg in drafters for k in k_values]
+    bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
+    results: dict = {"target": str(target_dir), "categories": list(prompts), "k_values": k_values,
+                     "prompts_per_category": cfg.eval.prompts_per_category, "timing_prompts": cfg.eval.timing_prompts,
+                     "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.target.dtype}  # fmt: skip
+    baseline = None
+    for algorithm, k in bar:
+        bar.set_postfix_str(f"{algorithm or 'target only'}" + (f" K={k}" if k else ""))
+        info = read_drafter(drafters[algorithm]) if algorithm else None
+        run = run_engine(cfg, target_dir, speculative_config(info, k) if info else None, prompts, cfg.eval.timing_prompts)
+        if algorithm is None:
+            baseline = run
+            rows = summarize(0, run, run)
+            results["target_only"] = {c: {"tokens_per_s": r["tokens_per_s"]} for c, r in rows.items()}
+            continue
+        entry = results.setdefault(algorithm, {"drafter": str(drafters[algorithm]), "by_k": {}})
+        entry["by_k"][k] = summarize(k, baseline, run)
+    for algorithm in ALGORITHMS:
+        if algorithm in results:
+            entry = results[algorithm]
+            entry["recommended_k"] = recommend_k(entry["by_k"])
+            entry["best"] = entry["by_k"][entry["recommended_k"]]
+            if write_k:
+                set_drafter_k(drafters[algorithm], entry["recommended_k"])
+    if "peagle" in results and "eagle3" in results:
+        ours, theirs = results["peagle"]["best"], results["eagle3"]["best"]
+        for category, row in ours.items():
+            other = theirs[category]["tokens_per_s"]
+            row["speedup_vs_eagle3"] = round(row["tokens_per_s"] / other, 3) if other else None
+    results["recommended_k"] = {a: results[a]["recommended_k"] for a in ALGORITHMS if a in results}
+    results["greedy_mismatches"] = sum(results[a]["by_k"][k]["overall"]["greedy_mismatches"]
+                                       for a in ALGORITHMS if a in results for k in results[a]["by_k"])  # fmt: skip
+    return results
+
+
+def format_table(results: dict) -> str:
+    """Per algorithm at its recommended K: Pos 1..K acceptance (%) and Avg Length per category, with tok/s."""
+    lines = []
+    for algorithm in ALGORITHMS:
+        if algorithm not in results:
+            continue
+        best = results[algorithm]["best"]
+        k = results[algorithm]["recommended_k"]
+        head = ["Category", *[f"Pos {i}" for i in range(1, k + 1)], "Avg Length", "tok/s", "speedup"]
+        lines += [f"{algorithm} (recommended K = {k})", "| " + " | ".join(head) + " |",
+                  "|" + "|".join("---" for _ in head) + "|"]  # fmt: skip
+        for category, row in best.items():
+            cells = [category, *[f"{100 * r:.1f}" for r in row["acceptance_per_position"]],
+                     f"{row['acceptance_length']:.2f}", f"{row['tokens_per_s']:.1f}", f"{row['speedup'] or 0:.2f}x"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append(f"greedy mismatches against the target alone: {results['greedy_mismatches']}")
+    return "\n".join(lines)
+
+
+def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path) -> dict[str, str]:
+    """eval/* metrics (step = K) and plots into each drafter's training run (from its provenance), else a
+    new run named eval-<algorithm>. Returns {algorithm: run_id}."""
+    from mlflow.tracking import MlflowClient
+
+    from peagle_ray.config import with_values
+    from peagle_ray.export.speculators import PROVENANCE
+    from peagle_ray.tracking import find_or_create_run
+
+    client = MlflowClient(uri)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    plots = [plot_tokens_per_s(results, work_dir / "eval_tokens_per_s_vs_k.png"),
+             plot_acceptance(results, work_dir / "eval_acceptance_per_position.png")]  # fmt: skip
+    (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
+    runs = {}
+    for algorithm in ALGORITHMS:
+        if algorithm not in results:
+            continue
+        provenance_file = Path(drafters[algorithm]) / PROVENANCE
+        run_id = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
+        if run_id is not None and not _run_exists(client, run_id):
+            run_id = None  # trained against another tracking store
+            run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": f"eval-{algorithm}"}), work_dir)
+        for k, rows in results[algorithm]["by_k"].items():
+            overall = rows["overall"]
+            metrics = {"eval/acceptance_length": overall["acceptance_length"], "eval/tokens_per_s": overall["tokens_per_s"],
+                       "eval/speedup_vs_target": overall["speedup"] or 0.0}  # fmt: skip
+            metrics.update({f"eval/acceptance_pos_{i + 1}": r for i, r in enumerate(overall["acceptance_per_position"])})
+            for name, value in metrics.items():
+                client.log_metric(run_id, name, value, step=int(k))
+        client.log_param(run_id, "eval/recommended_k", results[algorithm]["recommended_k"])
+        for path in [*plots, work_dir / "eval.json"]:
+            client.log_artifact(run_id, str(path), artifact_path="eval")
+        runs[algorithm] = run_id
+    return runs
+
+
+def _run_exists(client, run_id: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+        return True
+    except MlflowException:
+        return False
+
+
+def plot_tokens_per_s(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for algorithm in ALGORITHMS:
+        if algorithm in results:
+            ks = sorted(results[algorithm]["by_k"], key=int)
+            ax.plot(ks, [results[algorithm]["by_k"][k]["overall"]["tokens_per_s"] for k in ks], marker="o", label=algorithm)
+    base = results.get("target_only", {}).get("overall", {}).get("tokens_per_s")
+    if base:
+        ax.axhline(base, color="gray", linestyle="--", label="target only")
+    ax.set(xlabel="K (speculative tokens)", ylabel="tokens/s (batch 1)", title="Decode speed vs K")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for offset, algorithm in ((-0.2, "eagle3"), (0.2, "peagle")):
+        if algorithm in results:
+            rates = results[algorithm]["best"]["overall"]["acceptance_per_position"]
+            ax.bar([i + 1 + offset for i in range(len(rates))], [100 * r for r in rates], width=0.4,
+                   label=f"{algorithm} (K={results[algorithm]['recommended_k']})")  # fmt: skip
+    ax.set(xlabel="draft position", ylabel="accepted (%)", title="Acceptance per position", ylim=(0, 100))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,58 @@
+"""One vLLM engine configuration of an evaluation, run in its own process (vLLM spawns workers, and a fresh
+process per configuration keeps timings independent):
+
+    python -m peagle_ray.eval.vllm_run SPEC.json OUT.json
+
+SPEC: {"target", "dtype", "max_model_len", "speculative_config" (or null), "max_new_tokens",
+       "acceptance": {category: [prompt ids, ...]}, "timing": {category: [prompt ids, ...]}}
+OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
+       "timing": {category: {"tokens": n, "seconds": s}}, "engine_start_s": s}
+
+Acceptance prompts of a category run as one batch (vLLM's counters are read before and after, so each
+category gets its own counts); timing prompts run one at a time (batch 1, the latency a user sees).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
+
+    started = time.perf_counter()
+    kwargs = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
+    llm = LLM(model=spec["target"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
+              seed=0, disable_log_stats=False, load_format="safetensors", **kwargs)  # fmt: skip
+    out = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
+    sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+    stats = lambda: SpecStats.from_counters(counters_from_snapshot(llm.get_metrics()))  # noqa: E731
+    for category, prompts in spec["acceptance"].items():
+        before = stats()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        counts = stats().minus(before)
+        out["acceptance"][category] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                                       "counters": counts.__dict__}  # fmt: skip
+        print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
+    llm.generate([{"prompt_token_ids": spec["acceptance"][next(iter(spec["acceptance"]))][0]}],
+                 SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up before timing  # fmt: skip
+    for category, prompts in spec["timing"].items():
+        tokens, seconds = 0, 0.0
+        for prompt in prompts:
+            start = time.perf_counter()
+            (output,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
+            seconds += time.perf_counter() - start
+            tokens += len(output.outputs[0].token_ids)
+        out["timing"][category] = {"tokens": tokens, "seconds": seconds}
+    return out
+
+
+if __name__ == "__main__":
+    spec_file, out_file = sys.argv[1:3]
+    result = run(json.loads(Path(spec_file).read_text()))
+    Path(out_file).write_text(json.dumps(result))

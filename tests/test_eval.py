@@ -1,0 +1,74 @@
+"""Evaluation arithmetic on literal engine outputs (the engines themselves run in the demo smoke test)."""
+
+import json
+
+import pytest
+
+from peagle_ray.eval.sweep import format_table, recommend_k, set_drafter_k, summarize
+from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
+
+BASELINE = {
+    "acceptance": {"coding": {"tokens": [[1, 2, 3], [4, 5]]}, "math": {"tokens": [[7, 8]]}},
+    "timing": {"coding": {"tokens": 100, "seconds": 10.0}, "math": {"tokens": 50, "seconds": 5.0}},
+}
+RUN = {
+    "acceptance": {
+        "coding": {"tokens": [[1, 2, 3], [4, 5]],
+                   "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 14, "accepted_per_position": [8, 5, 1]}},
+        "math": {"tokens": [[7, 9]],
+                 "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 6, "accepted_per_position": [4, 2, 0]}},
+    },
+    "timing": {"coding": {"tokens": 100, "seconds": 5.0}, "math": {"tokens": 50, "seconds": 4.0}},
+}  # fmt: skip
+
+
+def test_summarize_per_category_and_overall():
+    rows = summarize(3, BASELINE, RUN)
+    assert rows["coding"] == {"k": 3, "acceptance_per_position": [0.8, 0.5, 0.1], "acceptance_length": 2.4,
+                              "tokens_per_s": 20.0, "baseline_tokens_per_s": 10.0, "speedup": 2.0,
+                              "greedy_mismatches": 0}  # fmt: skip
+    assert rows["math"]["greedy_mismatches"] == 1 and rows["math"]["speedup"] == 1.25
+    overall = rows["overall"]
+    assert overall["acceptance_per_position"] == [0.6, 0.35, 0.05] and overall["acceptance_length"] == 2.0
+    assert overall["tokens_per_s"] == pytest.approx(150 / 9, abs=0.01) and overall["greedy_mismatches"] == 1
+    assert overall["speedup"] == pytest.approx((150 / 9) / 10, abs=1e-3)
+
+
+def test_recommended_k_is_the_fastest_and_the_smaller_on_ties():
+    by_k = {k: {"overall": {"tokens_per_s": tps}} for k, tps in {2: 30.0, 4: 41.0, 6: 41.0, 8: 39.0}.items()}
+    assert recommend_k(by_k) == 4
+
+
+def test_recommended_k_goes_into_the_drafter_config(tmp_path):
+    config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    set_drafter_k(tmp_path, 3)
+    assert json.loads((tmp_path / "config.json").read_text())["speculators_config"]["proposal_methods"][0] == {
+        "speculative_tokens": 3}  # fmt: skip
+
+
+def test_table_has_positions_and_avg_length_per_category():
+    rows = summarize(3, BASELINE, RUN)
+    table = format_table({"peagle": {"best": rows, "recommended_k": 3}, "greedy_mismatches": 1})
+    lines = table.splitlines()
+    assert lines[0] == "peagle (recommended K = 3)"
+    assert lines[1] == "| Category | Pos 1 | Pos 2 | Pos 3 | Avg Length | tok/s | speedup |"
+    assert "| coding | 80.0 | 50.0 | 10.0 | 2.40 | 20.0 | 2.00x |" in lines
+    assert lines[-1] == "greedy mismatches against the target alone: 1"
+
+
+class _Metric:
+    def __init__(self, name, value=None, values=None):
+        self.name, self.value, self.values = name, value, values
+
+
+def test_counters_sum_over_engines_and_stats_subtract():
+    snapshot = [_Metric("vllm:spec_decode_num_drafts", 4), _Metric("vllm:spec_decode_num_drafts", 6),
+                _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 1]),
+                _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[2, 1, 1]),
+                _Metric("vllm:generation_tokens", 99)]  # fmt: skip
+    counters = counters_from_snapshot(snapshot)
+    assert counters == {"num_drafts": 10, "num_accepted_tokens_per_pos": [5, 2, 1]}
+    later = SpecStats(12, 36, 10, [6, 3, 1])
+    assert later.minus(SpecStats(10, 30, 8, [5, 2])) == SpecStats(2, 6, 2, [1, 1, 1])
+    assert SpecStats(0).acceptance_length == 1.0 and SpecStats(4, 8, 6, [3, 3]).acceptance_per_position == [0.75, 0.75]

@@ -244,9 +244,23 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, 
     return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)
 
 
+def ensure_serve_http(host: str, port: int) -> None:
+    """Start Serve's HTTP proxy on host:port. A Serve instance already running elsewhere (e.g. the one the
+    capture target started with default options) is shut down first: Serve keeps its first HTTP options."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        current = client.http_config
+        if (current.host, current.port) == (host, port):
+            return
+        serve.shutdown()
+    serve.start(http_options={"host": host, "port": port})
+
+
 def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, k: int | None = None) -> str:
     """Deploy on the running Ray cluster; returns the base URL once the replica is ready."""
-    serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
+    ensure_serve_http(cfg.serving.host, cfg.serving.port)
     serve.run(endpoint_app(cfg, target_dir, drafter_dir, k), name=APP_NAME, route_prefix="/")
     return f"http://{cfg.serving.host}:{cfg.serving.port}"
 

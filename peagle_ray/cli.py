@@ -113,16 +113,24 @@ def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
     ])  # fmt: skip
 
 
+def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict[str, Path]:
+    """--peagle/--eagle3 directories over the config's own training exports; refuses an empty set."""
+    from peagle_ray.eval.sweep import default_drafters
+
+    drafters = default_drafters(cfg)
+    drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
+    if not drafters:
+        raise FileNotFoundError(f"no drafter to {purpose}: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR")
+    return drafters
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from peagle_ray.eval.sweep import default_drafters, format_table, log_to_mlflow, run_eval
+    from peagle_ray.eval.sweep import format_table, log_to_mlflow, run_eval
     from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 
     cfg = _config(args)
-    drafters = default_drafters(cfg)
-    drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
-    if not drafters:
-        raise FileNotFoundError("no drafter to evaluate: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR")
+    drafters = _drafters(cfg, args, "evaluate")
     results = run_eval(cfg, resolve_target_path(cfg), drafters, args.k)
     _write_json(results, args.json)  # before MLflow: a tracking failure loses no measurement
     print(format_table(results), file=sys.stderr)
@@ -223,13 +231,9 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
 
 def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     from peagle_ray.bench import e2e
-    from peagle_ray.eval.sweep import default_drafters
 
     cfg = _config(args)
-    drafters = default_drafters(cfg)
-    drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
-    if not drafters:
-        raise FileNotFoundError("no drafter to benchmark: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR")
+    drafters = _drafters(cfg, args, "benchmark")
     _write_json(e2e.run(cfg, drafters, args.k), args.json)
     return 0
 

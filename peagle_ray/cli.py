@@ -105,7 +105,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
     """What to tell a user once the endpoint is up: the URL, a curl to try, where the statistics are."""
     auth = f' -H "Authorization: Bearer {cfg.serving.api_token}"' if cfg.serving.api_token else ""
-    body = '{"model": "MODEL", "messages": [{"role": "user", "content": "Write a haiku about CPUs."}], "max_tokens": 64}'
+    body = ('{"model": "MODEL", "messages": [{"role": "user", "content": "Write a haiku about CPUs."}], '
+            '"max_tokens": 64, "temperature": 0}')
     return "\n".join([
         f"endpoint: {url}/v1 (OpenAI-compatible; models: curl{auth} {url}/v1/models)",
         f"try:      curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",

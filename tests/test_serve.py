@@ -164,3 +164,15 @@ def test_request_limits_check_without_a_server(tiny_target):
     assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
     status, body = limits.check(b'{"prompt": "x", "max_completion_tokens": true}', "/v1/completions")
     assert json.loads(body)["error"]["message"] == "max_completion_tokens must be an integer; got True"
+
+
+def test_bench_load_against_the_endpoint(endpoint, tiny_target):
+    from peagle_ray.bench.load import percentile, run
+
+    assert percentile([1, 2, 3, 4], 0.5) == 2 and percentile([1, 2, 3, 4], 0.99) == 4
+    url, _ = endpoint
+    cfg = build_config({"target": {"path": str(tiny_target)}, "serving": {"api_token": TOKEN}})
+    result = run(cfg, url, clients=4, requests_per_client=2, max_tokens=8)
+    assert result["requests"] == 8 and result["errors"] == 0, result["error_examples"]
+    assert 0 < result["p50_latency_s"] <= result["p99_latency_s"] and result["tokens_per_s"] > 0
+    assert result["speculative_stats"]["drafts"] > 0

@@ -2,6 +2,7 @@
 resume, recovery from a worker crash, export. Real Ray, real vLLM capture, real MLflow server."""
 
 import json
+import signal
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -55,7 +56,9 @@ def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
 
 
 def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_target):
+    handler = signal.getsignal(signal.SIGINT)
     first = run_training(config(workdir, tiny_target, run_name="e2e", max_steps=4))
+    assert signal.getsignal(signal.SIGINT) is handler  # Ray Train's Ctrl-C handler does not outlive the run
     metrics = ["train/loss", *[f"train/acc_depth_{d}" for d in range(K)], "val/acceptance_length",
                *[f"val/acceptance_pos_{i}" for i in range(1, K + 1)], *[f"val/acc_depth_{d}" for d in range(K)]]  # fmt: skip
     steps = {name: history(first, name) for name in metrics}

@@ -20,7 +20,9 @@ import json
 import copy
 import math
 import resource
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -326,7 +328,15 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds, val_ds):
         datasets={"train": train_ds, "validation": val_ds},
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
-    return trainer.fit()
+    # fit() installs a SIGINT handler (Ctrl-C aborts the run) and leaves it installed; put ours back so that
+    # Ctrl-C still raises KeyboardInterrupt in whatever runs next (the demo's serving loop).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main_thread else None
+    try:
+        return trainer.fit()
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
 
 
 def run_training(cfg: PeagleConfig) -> dict:

@@ -114,6 +114,12 @@ def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
     ])  # fmt: skip
 
 
+def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
+    parser.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
+    parser.add_argument("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values).")
+
+
 def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict[str, Path]:
     """--peagle/--eagle3 directories over the config's own training exports; refuses an empty set."""
     from peagle_ray.eval.sweep import default_drafters
@@ -284,9 +290,7 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     train.set_defaults(func=_cmd_bench_train)
     e2e = kinds.add_parser("e2e", help="Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at "
                                        "each one's best K (float32; greedy mismatches must be 0).")  # fmt: skip
-    e2e.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
-    e2e.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
-    e2e.add_argument("--k", type=int, nargs="+", help="K values to try (default: eval.k_values).")
+    _add_drafter_args(e2e)
     _add_config_args(e2e)
     e2e.set_defaults(func=_cmd_bench_e2e)
     load = kinds.add_parser("load", help="N concurrent OpenAI clients against the endpoint: errors, p50/p99 "
@@ -354,9 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "at each K) on the prepared validation prompts; writes the recommended K into "
                                "each drafter's config and logs eval/* metrics and plots to MLflow.")  # fmt: skip
             _add_config_args(sub)
-            sub.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
-            sub.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
-            sub.add_argument("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values).")
+            _add_drafter_args(sub)
             sub.add_argument("--json", type=Path, help="Also write the results to this JSON file.")
             sub.set_defaults(func=_cmd_eval)
         elif name == "serve":

@@ -90,19 +90,12 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
         wrong = sum(a != b for a, b in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
         t, b = run["timing"][category], baseline["timing"][category]
         rows[category] = _row(k, counters, t["tokens"], t["seconds"], b["tokens"], b["seconds"], wrong)
-        total = _add(total, counters)
+        total = total.plus(counters)
         timing = [timing[0] + t["tokens"], timing[1] + t["seconds"]]
         base_timing = [base_timing[0] + b["tokens"], base_timing[1] + b["seconds"]]
         mismatches += wrong
     rows["overall"] = _row(k, total, *timing, *base_timing, mismatches)
     return rows
-
-
-def _add(a: SpecStats, b: SpecStats) -> SpecStats:
-    n = max(len(a.accepted_per_position), len(b.accepted_per_position))
-    pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
-    return SpecStats(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens,
-                     [x + y for x, y in zip(pad(a.accepted_per_position), pad(b.accepted_per_position))])  # fmt: skip
 
 
 def _row(k, counters: SpecStats, tokens, seconds, base_tokens, base_seconds, mismatches) -> dict:

@@ -41,13 +41,21 @@ class SpecStats:
                          int(counters.get("num_accepted_tokens", 0)),
                          [int(v) for v in counters.get("num_accepted_tokens_per_pos", [])])  # fmt: skip
 
+    def plus(self, other: SpecStats, sign: int = 1) -> SpecStats:
+        """Counts added (sign -1: subtracted) field by field."""
+        return SpecStats(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+                         self.accepted_tokens + sign * other.accepted_tokens,
+                         add_lists(self.accepted_per_position, other.accepted_per_position, sign))  # fmt: skip
+
     def minus(self, before: SpecStats) -> SpecStats:
         """The counts accumulated since `before` (counters only grow)."""
-        n = len(self.accepted_per_position)
-        earlier = before.accepted_per_position + [0] * (n - len(before.accepted_per_position))
-        return SpecStats(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
-                         self.accepted_tokens - before.accepted_tokens,
-                         [a - b for a, b in zip(self.accepted_per_position, earlier)])  # fmt: skip
+        return self.plus(before, -1)
+
+
+def add_lists(a: list[int], b: list[int], sign: int = 1) -> list[int]:
+    """a + sign * b, the shorter padded with zeros: e.g. [3, 1] + [2, 1, 1] -> [5, 2, 1]."""
+    n = max(len(a), len(b))
+    return [x + sign * y for x, y in zip(list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b)))]
 
 
 def counters_from_snapshot(metrics) -> dict[str, int | list[int]]:
@@ -59,9 +67,7 @@ def counters_from_snapshot(metrics) -> dict[str, int | list[int]]:
         name = metric.name[len(PREFIX) :]
         values = getattr(metric, "values", None)
         if values is not None:
-            old = list(counters.get(name, []))
-            old += [0] * (len(values) - len(old))
-            counters[name] = [a + b for a, b in zip(old, list(values) + [0] * (len(old) - len(values)))]
+            counters[name] = add_lists(counters.get(name, []), values)
         else:
             counters[name] = int(counters.get(name, 0)) + int(metric.value)
     return counters

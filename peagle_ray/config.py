@@ -60,6 +60,11 @@ class TargetConfig(_Section):
     kv_cache_gib: int = Field(default=2, ge=1)
     """KV-cache GiB given to each CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE, whole GiB); ignored on GPU."""
 
+    cpu_reserved_cores: int | None = Field(default=None, ge=0)
+    """CPU cores each CPU vLLM engine keeps free of model threads for its scheduler process
+    (VLLM_CPU_NUM_OF_RESERVED_CPU). None keeps vLLM's default: one core per worker, which is cheap on a big
+    host but half of a 2-core one (the demo sets 0: decoding ~1.4x faster there); ignored on GPU."""
+
 
 class DataConfig(_Section):
     sources: list[str] = Field(default_factory=lambda: ["builtin"])

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import vllm_cpu_env
+from peagle_ray.engine import target_engine_env
 
 
 def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[list[int]]:
@@ -61,7 +61,7 @@ def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: i
         seq_file.write_text(json.dumps(sequences))
         cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(target_dir), cfg.target.dtype,
                str(cfg.target.max_model_len), str(seq_file)]  # fmt: skip
-        child = subprocess.run(cmd, capture_output=True, text=True, env=vllm_cpu_env(cfg.target.kv_cache_gib))
+        child = subprocess.run(cmd, capture_output=True, text=True, env=target_engine_env(cfg.target))
         if child.returncode != 0:
             raise RuntimeError(f"prefill benchmark failed: {child.stderr[-2000:]}")
         result = next(line for line in child.stdout.splitlines() if line.startswith("RESULT "))

@@ -23,7 +23,7 @@ import torch
 from ray import serve
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import vllm_cpu_env
+from peagle_ray.engine import target_engine_env
 
 APP_NAME = "peagle-target"
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "peagle_ray.capture.connector")
@@ -138,7 +138,7 @@ def engine_spec(cfg: PeagleConfig, target_dir, num_target_layers: int) -> Engine
 def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
     """Deploy the target (blocking until ready) and return its handle. Ray must be initialised."""
     spec = engine_spec(cfg, target_dir, num_target_layers)
-    env = vllm_cpu_env(cfg.target.kv_cache_gib, {})  # only the engine settings, not this process's environment
+    env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
     # On CPU the engine uses the cores regardless; reserving them would starve the Ray Data actors on a
     # small machine, so the replica claims none. On GPU it claims one GPU.
     options = {"num_cpus": 0, "num_gpus": 1 if cfg.training.use_gpu else 0, "runtime_env": {"env_vars": env}}

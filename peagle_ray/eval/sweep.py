@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import vllm_cpu_env
+from peagle_ray.engine import target_engine_env
 from peagle_ray.serve.app import read_drafter, speculative_config
 from peagle_ray.serve.stats import SpecStats
 
@@ -71,7 +71,7 @@ def run_engine(cfg: PeagleConfig, target_dir: Path, spec_config: dict | None, pr
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as sink:
             proc = subprocess.run([sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
-                                  stdout=sink, stderr=subprocess.STDOUT, env=vllm_cpu_env(cfg.target.kv_cache_gib))  # fmt: skip
+                                  stdout=sink, stderr=subprocess.STDOUT, env=target_engine_env(cfg.target))  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"evaluation engine ({spec_config or 'target only'}) failed with exit code "
                                f"{proc.returncode}; log: {log}")  # fmt: skip

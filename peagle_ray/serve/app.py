@@ -25,7 +25,7 @@ from pathlib import Path
 from ray import serve
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import vllm_cpu_env
+from peagle_ray.engine import target_engine_env
 
 APP_NAME = "peagle-openai"
 LIMITED_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -239,7 +239,7 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, 
     k = k or cfg.serving.num_speculative_tokens
     spec = EndpointSpec(vllm_args(cfg, target_dir, drafter, k), str(target_dir), cfg.serving.max_prompt_tokens,
                         cfg.serving.max_tokens_limit, drafter)  # fmt: skip
-    env = vllm_cpu_env(cfg.target.kv_cache_gib, {})  # only the engine settings, not this process's environment
+    env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": 1 if cfg.training.use_gpu else 0, "runtime_env": {"env_vars": env}}
     return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)
 

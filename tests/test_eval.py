@@ -4,13 +4,14 @@ import json
 
 import pytest
 
+from peagle_ray.bench.e2e import goal
 from peagle_ray.eval.sweep import format_table, recommend_k, set_drafter_k, summarize
 from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
 
 BASELINE = {
-    "acceptance": {"coding": {"tokens": [[1, 2, 3], [4, 5]]}, "math": {"tokens": [[7, 8]]}},
-    "timing": {"coding": {"tokens": 100, "seconds": 10.0}, "math": {"tokens": 50, "seconds": 5.0}},
-}
+    "acceptance": {"coding": {"tokens": [[1, 2, 3], [4, 5]], "counters": {}}, "math": {"tokens": [[7, 8]], "counters": {}}},
+    "timing": {"coding": {"tokens": 100, "seconds": 10.0, "counters": {}}, "math": {"tokens": 50, "seconds": 5.0, "counters": {}}},
+}  # fmt: skip
 RUN = {
     "acceptance": {
         "coding": {"tokens": [[1, 2, 3], [4, 5]],
@@ -18,7 +19,8 @@ RUN = {
         "math": {"tokens": [[7, 9]],
                  "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 6, "accepted_per_position": [4, 2, 0]}},
     },
-    "timing": {"coding": {"tokens": 100, "seconds": 5.0}, "math": {"tokens": 50, "seconds": 4.0}},
+    "timing": {"coding": {"tokens": 100, "seconds": 5.0, "counters": {"drafts": 40, "accepted_tokens": 60}},
+               "math": {"tokens": 50, "seconds": 4.0, "counters": {"drafts": 40, "accepted_tokens": 10}}},
 }  # fmt: skip
 
 
@@ -26,12 +28,24 @@ def test_summarize_per_category_and_overall():
     rows = summarize(3, BASELINE, RUN)
     assert rows["coding"] == {"k": 3, "acceptance_per_position": [0.8, 0.5, 0.1], "acceptance_length": 2.4,
                               "tokens_per_s": 20.0, "baseline_tokens_per_s": 10.0, "speedup": 2.0,
-                              "greedy_mismatches": 0}  # fmt: skip
+                              "step_cost_vs_target": 1.25, "greedy_mismatches": 0}  # fmt: skip
+    # timing AL 2.5 at 2.0x: a step costs 1.25 target steps; math: AL 1.25 at 1.25x -> 1.0
     assert rows["math"]["greedy_mismatches"] == 1 and rows["math"]["speedup"] == 1.25
+    assert rows["math"]["step_cost_vs_target"] == 1.0
     overall = rows["overall"]
     assert overall["acceptance_per_position"] == [0.6, 0.35, 0.05] and overall["acceptance_length"] == 2.0
     assert overall["tokens_per_s"] == pytest.approx(150 / 9, abs=0.01) and overall["greedy_mismatches"] == 1
     assert overall["speedup"] == pytest.approx((150 / 9) / 10, abs=1e-3)
+    assert overall["step_cost_vs_target"] == pytest.approx(1.875 / ((150 / 9) / 10), abs=1e-3)  # AL (80 drafts, 70 acc.)
+    assert summarize(0, BASELINE, BASELINE)["overall"]["step_cost_vs_target"] == 1.0  # the target alone
+
+
+def test_goal_says_the_acceptance_length_it_needs():
+    peagle = {"k": 2, "acceptance_length": 1.25, "step_cost_vs_target": 1.4}
+    assert goal(0.89, 1.8, peagle, 1.0) == {"measured": 0.89, "goal": 1.8, "met": False, "acceptance_length": 1.25,
+                                             "acceptance_length_needed": 2.52, "max_acceptance_length": 3}
+    # vs EAGLE-3 running at 0.9x the target: 1.3 x 1.4 x 0.9
+    assert goal(1.31, 1.3, peagle, 0.9)["acceptance_length_needed"] == 1.638 and goal(1.31, 1.3, peagle, 0.9)["met"]
 
 
 def test_recommended_k_is_the_fastest_and_the_smaller_on_ties():

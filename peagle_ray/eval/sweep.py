@@ -8,7 +8,8 @@ category run batched, the timing prompts at batch 1. Prompts are the prepared va
 prompt part of each conversation), eval.prompts_per_category per category.
 
 Per category and overall (DESIGN.md §4): k, acceptance_per_position, acceptance_length, tokens_per_s,
-baseline_tokens_per_s, speedup, greedy_mismatches.
+baseline_tokens_per_s, speedup, greedy_mismatches; and step_cost_vs_target, what one decode step (draft +
+verify) costs in target-alone steps, measured on the timing prompts: speedup = their AL / step_cost.
 """
 
 from __future__ import annotations
@@ -82,28 +83,32 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
     """Per category and "overall" metrics of one speculative run against the target-only run.
 
     e.g. a category with counters {drafts 10, accepted 14, per position [8, 5, 1]} -> acceptance [0.8, 0.5,
-    0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s.
+    0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s;
+    step_cost_vs_target = the timing prompts' AL / speedup (e.g. AL 2.5 at 2.0x -> 1.25).
     """
-    rows, total, timing, base_timing, mismatches = {}, SpecStats(), [0, 0.0], [0, 0.0], 0
+    rows, total, timing, base_timing, mismatches = {}, SpecStats(), [0, 0.0, SpecStats()], [0, 0.0], 0
     for category, acceptance in run["acceptance"].items():
         counters = SpecStats(**acceptance["counters"])
         wrong = sum(a != b for a, b in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
         t, b = run["timing"][category], baseline["timing"][category]
-        rows[category] = _row(k, counters, t["tokens"], t["seconds"], b["tokens"], b["seconds"], wrong)
+        timed = (t["tokens"], t["seconds"], SpecStats(**t["counters"]))
+        rows[category] = _row(k, counters, *timed, b["tokens"], b["seconds"], wrong)
         total = total.plus(counters)
-        timing = [timing[0] + t["tokens"], timing[1] + t["seconds"]]
+        timing = [timing[0] + t["tokens"], timing[1] + t["seconds"], timing[2].plus(timed[2])]
         base_timing = [base_timing[0] + b["tokens"], base_timing[1] + b["seconds"]]
         mismatches += wrong
     rows["overall"] = _row(k, total, *timing, *base_timing, mismatches)
     return rows
 
 
-def _row(k, counters: SpecStats, tokens, seconds, base_tokens, base_seconds, mismatches) -> dict:
+def _row(k, counters: SpecStats, tokens, seconds, timed: SpecStats, base_tokens, base_seconds, mismatches) -> dict:
     tps = tokens / seconds if seconds else 0.0
     base = base_tokens / base_seconds if base_seconds else 0.0
+    speedup = tps / base if base else None
     return {"k": k, "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
             "acceptance_length": round(counters.acceptance_length, 4), "tokens_per_s": round(tps, 2),
-            "baseline_tokens_per_s": round(base, 2), "speedup": round(tps / base, 3) if base else None,
+            "baseline_tokens_per_s": round(base, 2), "speedup": round(speedup, 3) if speedup else None,
+            "step_cost_vs_target": round(timed.acceptance_length / speedup, 3) if speedup else None,
             "greedy_mismatches": mismatches}  # fmt: skip
 
 

@@ -6,7 +6,7 @@ process per configuration keeps timings independent):
 SPEC: {"target", "dtype", "max_model_len", "speculative_config" (or null), "max_new_tokens",
        "acceptance": {category: [prompt ids, ...]}, "timing": {category: [prompt ids, ...]}}
 OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
-       "timing": {category: {"tokens": n, "seconds": s}}, "engine_start_s": s}
+       "timing": {category: {"tokens": n, "seconds": s, "counters": {...}}}, "engine_start_s": s}
 
 Acceptance prompts of a category run as one batch (vLLM's counters are read before and after, so each
 category gets its own counts); timing prompts run one at a time (batch 1, the latency a user sees).
@@ -42,13 +42,13 @@ def run(spec: dict) -> dict:
     llm.generate([{"prompt_token_ids": spec["acceptance"][next(iter(spec["acceptance"]))][0]}],
                  SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up before timing  # fmt: skip
     for category, prompts in spec["timing"].items():
-        tokens, seconds = 0, 0.0
+        tokens, seconds, before = 0, 0.0, stats()
         for prompt in prompts:
             start = time.perf_counter()
             (output,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
             seconds += time.perf_counter() - start
             tokens += len(output.outputs[0].token_ids)
-        out["timing"][category] = {"tokens": tokens, "seconds": seconds}
+        out["timing"][category] = {"tokens": tokens, "seconds": seconds, "counters": stats().minus(before).__dict__}
     return out
 
 

@@ -3,6 +3,7 @@ resume, recovery from a worker crash, export. Real Ray, real vLLM capture, real 
 
 import json
 import signal
+import time
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -11,7 +12,7 @@ from peagle_ray.capture.run import prepare_and_capture
 from peagle_ray.config import build_config
 from peagle_ray.serve.app import free_port
 from peagle_ray.tracking import local_mlflow_server
-from peagle_ray.train.job import check_inputs, export_checkpoint, run_training
+from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training
 
 PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
            "Explain recursion briefly.", "Translate 'good morning' into French.", "What is 12 times 7?",
@@ -111,3 +112,18 @@ def test_online_mode_trains_while_the_target_captures(workdir, tiny_target, tmp_
     assert history(summary, "train/loss") == [0, 1, 2, 3]
     assert history(summary, "val/acceptance_length") == [1, 3]
     assert not (tmp_path / "never-written").exists()  # online: records are streamed, nothing stays on disk
+
+
+def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'progress.db'}")
+    run_id = client.create_run(client.create_experiment("progress")).info.run_id
+    client.log_metric(run_id, "val/acceptance_length", 1.1, step=49)
+    with mlflow_progress(client.tracking_uri, run_id, total=200, desc="train", every_s=0.05) as bar:
+        assert bar.n == 50  # read at the start (a resumed run starts where its metrics end)
+        client.log_metric(run_id, "val/acceptance_length", 1.25, step=99)
+        deadline = time.time() + 10
+        while bar.n != 100 and time.time() < deadline:
+            time.sleep(0.05)
+        assert bar.n == 100 and "val AL 1.250" in str(bar)
+        client.log_metric(run_id, "val/acceptance_length", 1.3, step=199)
+    assert bar.n == 200  # the last reading is taken on the way out

@@ -10,14 +10,15 @@ partitioning) -> gradients all-reduced over the workers -> clip -> AdamW step. E
 rank 0 measures the validation split (per-depth accuracy, offline greedy acceptance per position, AL),
 flushes its buffered metrics to MLflow, then every rank reports and rank 0 attaches the checkpoint.
 Metrics are flushed before the checkpoint that covers them, and on resume steps already in MLflow are not
-logged again, so a crash leaves neither gaps nor duplicates in the metric history.
+logged again, so a crash leaves neither gaps nor duplicates in the metric history. The workers' output does
+not reach the driver, so the driver's progress bar reads the run's MLflow metrics (`mlflow_progress`).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
-import copy
 import math
 import resource
 import signal
@@ -25,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -238,6 +240,46 @@ def train_worker(plan: dict) -> None:
 # ---- driver ------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def mlflow_progress(uri: str, run_id: str, total: int, desc: str, every_s: float = 5.0):
+    """A progress bar of training steps fed from the run's MLflow metrics, polled every `every_s` seconds:
+    steps done = the last validated step + 1 (rank 0 writes its metrics at each checkpoint), postfix = that
+    step's val AL. Yields the tqdm bar; the last reading is taken when the block ends."""
+    from mlflow.tracking import MlflowClient
+    from tqdm import tqdm
+
+    client, stop = MlflowClient(uri), threading.Event()
+    bar = tqdm(total=total, desc=desc, unit="step")
+
+    def refresh() -> None:
+        history = client.get_metric_history(run_id, "val/acceptance_length")
+        if history:
+            last = max(history, key=lambda m: m.step)
+            bar.n = min(last.step + 1, total)
+            bar.set_postfix_str(f"val AL {last.value:.3f}")
+
+    def poll() -> None:
+        while not stop.wait(every_s):
+            try:
+                refresh()
+            except Exception:  # noqa: BLE001 - a busy tracking server: read again at the next tick
+                pass
+
+    refresh()
+    thread = threading.Thread(target=poll, name="mlflow-progress", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        try:
+            refresh()
+        finally:
+            bar.close()
+
+
+
 def check_inputs(cfg: PeagleConfig) -> dict:
     """Fail fast, before any worker starts: target, prepared data and (offline) captured shards must exist."""
     from peagle_ray.capture.pipeline import read_manifest
@@ -360,8 +402,10 @@ def run_training(cfg: PeagleConfig) -> dict:
                 "aux_layer_ids": inputs["aux_layer_ids"], "token_counts": inputs["token_counts"],
                 "tracking_uri": uri, "run_id": run_id, "storage_path": str(storage),
                 "crash_marker": str(storage / f"{cfg.training.run_name}.crashed")}  # fmt: skip
+        progress = mlflow_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
         if cfg.capture.mode == "offline":
-            result = _fit(cfg, plan, *offline_datasets(cfg))
+            with progress:
+                result = _fit(cfg, plan, *offline_datasets(cfg))
         else:
             with target_session(cfg) as session:
                 samples = prepared_samples(cfg)
@@ -372,7 +416,8 @@ def run_training(cfg: PeagleConfig) -> dict:
                                            session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
                 validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
                               for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")]  # fmt: skip
-                result = _fit(cfg, plan, train, ray.data.from_items(validation))
+                with progress:
+                    result = _fit(cfg, plan, train, ray.data.from_items(validation))
         if result.error is not None:
             raise result.error
         best, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1].get("val/acceptance_length", -1))

@@ -86,3 +86,31 @@ def test_counters_sum_over_engines_and_stats_subtract():
     later = SpecStats(12, 36, 10, [6, 3, 1])
     assert later.minus(SpecStats(10, 30, 8, [5, 2])) == SpecStats(2, 6, 2, [1, 1, 1])
     assert SpecStats(0).acceptance_length == 1.0 and SpecStats(4, 8, 6, [3, 3]).acceptance_per_position == [0.75, 0.75]
+
+
+def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_another_k(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from peagle_ray.config import PeagleConfig
+    from peagle_ray.eval.sweep import log_to_mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    trained = client.create_run(client.create_experiment("train")).info.run_id
+    peagle, eagle3 = tmp_path / "peagle", tmp_path / "eagle3"  # eagle3 has no provenance: an eval-eagle3 run
+    peagle.mkdir(), eagle3.mkdir()
+    (peagle / "provenance.json").write_text(json.dumps({"run_id": trained}))
+    rows = summarize(3, BASELINE, RUN)
+
+    def sweep(k):
+        entry = {"by_k": {3: rows}, "best": rows, "recommended_k": k}
+        results = {"target_only": {"overall": {"tokens_per_s": 10.0}}, "k_values": [3],
+                   "peagle": entry, "eagle3": entry, "greedy_mismatches": 1}  # fmt: skip
+        return log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle, "eagle3": eagle3}, tmp_path / "eval")
+
+    first = sweep(3)
+    assert first["peagle"] == trained and first["eagle3"] != trained
+    assert sweep(2) == first  # the same runs again, and no "changing param values" error
+    run = client.get_run(trained)
+    assert run.data.tags["eval.recommended_k"] == "2" and run.data.metrics["eval/acceptance_length"] == 2.0
+    assert [m.step for m in client.get_metric_history(trained, "eval/tokens_per_s")] == [3, 3]

@@ -187,8 +187,9 @@ def format_table(results: dict) -> str:
 
 
 def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path) -> dict[str, str]:
-    """eval/* metrics (step = K) and plots into each drafter's training run (from its provenance), else a
-    new run named eval-<algorithm>. Returns {algorithm: run_id}."""
+    """eval/* metrics (step = K), plots and the `eval.recommended_k` tag into each drafter's training run (from
+    its provenance), else a run named eval-<algorithm>. Returns {algorithm: run_id}. A tag, not a param:
+    params are immutable, and a later sweep (e.g. the full one after the demo's) may recommend another K."""
     from mlflow.tracking import MlflowClient
 
     from peagle_ray.config import with_values
@@ -206,8 +207,7 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
             continue
         provenance_file = Path(drafters[algorithm]) / PROVENANCE
         run_id = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
-        if run_id is not None and not _run_exists(client, run_id):
-            run_id = None  # trained against another tracking store
+        if run_id is None or not _run_exists(client, run_id):  # no provenance, or trained against another store
             run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": f"eval-{algorithm}"}), work_dir)
         for k, rows in results[algorithm]["by_k"].items():
             overall = rows["overall"]
@@ -216,7 +216,7 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
             metrics.update({f"eval/acceptance_pos_{i + 1}": r for i, r in enumerate(overall["acceptance_per_position"])})
             for name, value in metrics.items():
                 client.log_metric(run_id, name, value, step=int(k))
-        client.log_param(run_id, "eval/recommended_k", results[algorithm]["recommended_k"])
+        client.set_tag(run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
         for path in [*plots, work_dir / "eval.json"]:
             client.log_artifact(run_id, str(path), artifact_path="eval")
         runs[algorithm] = run_id

@@ -102,7 +102,7 @@ def capture_dataset(samples: Iterable[TokenizedSample], num_layers: int, hidden_
         fn_constructor_kwargs={"num_layers": num_layers, "hidden_size": hidden_size},
         batch_size=batch_size,
         batch_format="numpy",
-        concurrency=num_actors,
+        compute=ray.data.ActorPoolStrategy(size=num_actors),
         num_cpus=0,  # the actors only wait on the target; its engine does the work
     )
 

@@ -86,29 +86,27 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
     0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s;
     step_cost_vs_target = the timing prompts' AL / speedup (e.g. AL 2.5 at 2.0x -> 1.25).
     """
-    rows, total, timing, base_timing, mismatches = {}, SpecStats(), [0, 0.0, SpecStats()], [0, 0.0], 0
+    rows, parts = {}, []
     for category, acceptance in run["acceptance"].items():
-        counters = SpecStats(**acceptance["counters"])
-        wrong = sum(a != b for a, b in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
         t, b = run["timing"][category], baseline["timing"][category]
-        timed = (t["tokens"], t["seconds"], SpecStats(**t["counters"]))
-        rows[category] = _row(k, counters, *timed, b["tokens"], b["seconds"], wrong)
-        total = total.plus(counters)
-        timing = [timing[0] + t["tokens"], timing[1] + t["seconds"], timing[2].plus(timed[2])]
-        base_timing = [base_timing[0] + b["tokens"], base_timing[1] + b["seconds"]]
-        mismatches += wrong
-    rows["overall"] = _row(k, total, *timing, *base_timing, mismatches)
+        wrong = sum(x != y for x, y in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
+        part = (SpecStats(**acceptance["counters"]), t["tokens"], t["seconds"], SpecStats(**t["counters"]),
+                b["tokens"], b["seconds"], wrong)  # fmt: skip
+        rows[category] = _row(k, *part)
+        parts.append(part)
+    rows["overall"] = _row(k, *(sum(column[1:], column[0]) for column in zip(*parts)))  # each field summed
     return rows
 
 
-def _row(k, counters: SpecStats, tokens, seconds, timed: SpecStats, base_tokens, base_seconds, mismatches) -> dict:
+def _row(k, counters: SpecStats, tokens, seconds, timed_counters: SpecStats, base_tokens, base_seconds,
+         mismatches) -> dict:  # fmt: skip
     tps = tokens / seconds if seconds else 0.0
     base = base_tokens / base_seconds if base_seconds else 0.0
     speedup = tps / base if base else None
     return {"k": k, "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
             "acceptance_length": round(counters.acceptance_length, 4), "tokens_per_s": round(tps, 2),
             "baseline_tokens_per_s": round(base, 2), "speedup": round(speedup, 3) if speedup else None,
-            "step_cost_vs_target": round(timed.acceptance_length / speedup, 3) if speedup else None,
+            "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
             "greedy_mismatches": mismatches}  # fmt: skip
 
 

@@ -47,6 +47,8 @@ class SpecStats:
                          self.accepted_tokens + sign * other.accepted_tokens,
                          add_lists(self.accepted_per_position, other.accepted_per_position, sign))  # fmt: skip
 
+    __add__ = plus
+
     def minus(self, before: SpecStats) -> SpecStats:
         """The counts accumulated since `before` (counters only grow)."""
         return self.plus(before, -1)

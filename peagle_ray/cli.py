@@ -40,7 +40,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> PeagleConfig:
-    return load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if getattr(args, "suite", None):
+        overrides.append(f"eval.suite={args.suite}")
+    return load_config(args.config, overrides)
 
 
 def _cmd_target_prepare(args: argparse.Namespace) -> int:
@@ -118,6 +121,9 @@ def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
     parser.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
     parser.add_argument("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values).")
+    parser.add_argument("--suite", choices=["validation", "mt-bench", "humaneval"],
+                        help="Prompts to evaluate on (default: eval.suite): the prepared validation split, "
+                             "MT-Bench first turns or HumanEval (read offline; the `data` extra).")  # fmt: skip
 
 
 def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict[str, Path]:

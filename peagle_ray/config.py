@@ -69,7 +69,18 @@ class TargetConfig(_Section):
 class DataConfig(_Section):
     sources: list[str] = Field(default_factory=lambda: ["builtin"])
     """Input conversations: JSONL files (OpenAI `messages` or ShareGPT `conversations`), directories saved
-    with `datasets.save_to_disk`, plain prompt lists (.txt), or "builtin" for the shipped prompt suite."""
+    with `datasets.save_to_disk`, plain prompt lists (.txt), "builtin" for the shipped prompt suite,
+    "sharegpt" / "sharegpt:N" for ShareGPT V3 (all, or N sampled with data.seed; the `data` extra), or
+    "magpie:N" for N user prompts the target writes itself (needs data.regenerate)."""
+
+    seed: int = 0
+    """Seed of data sampling: which ShareGPT conversations, and the Magpie prompt writer's sampling."""
+
+    magpie_temperature: float = Field(default=0.8, gt=0.0)
+    """Sampling temperature of Magpie prompt writing (greedy would write one prompt over and over)."""
+
+    magpie_max_tokens: int = Field(default=128, gt=0)
+    """Most tokens of one Magpie prompt; a prompt still going at this limit is dropped as degenerate."""
 
     max_length: int = Field(default=1024, gt=0)
     """Token length each conversation is truncated to after the chat template is applied."""
@@ -89,6 +100,16 @@ class DataConfig(_Section):
 
     output_dir: str = "runs/data"
     """Where prepared conversations, token frequencies and the bad-row summary are written."""
+
+    @field_validator("sources")
+    @classmethod
+    def _counted_sources(cls, v: list[str]) -> list[str]:
+        for source in v:
+            name, sep, count = source.partition(":")
+            if name in ("sharegpt", "magpie") and (sep or name == "magpie"):
+                if not (count.isdigit() and int(count) > 0):
+                    raise ValueError(f"entry {source!r} must look like {name}:N with N a positive integer")
+        return v
 
 
 class CaptureConfig(_Section):
@@ -281,6 +302,10 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(default=128, gt=0)
     """Tokens generated per evaluation prompt."""
 
+    suite: Literal["validation", "mt-bench", "humaneval"] = "validation"
+    """Prompts evaluated: the prepared validation split, MT-Bench's 80 first turns (8 categories), or
+    HumanEval's 164 function stubs - the paper's benchmarks, read offline (the `data` extra)."""
+
     @field_validator("k_values")
     @classmethod
     def _positive_ks(cls, v: list[int]) -> list[int]:
@@ -315,6 +340,10 @@ class PeagleConfig(_Section):
             raise ValueError(
                 f"training.depth_weights must have one weight per trained depth ({k}); got {len(weights)} weights"
             )
+        magpie = [s for s in self.data.sources if s.startswith("magpie:")]
+        if magpie and not self.data.regenerate:
+            raise ValueError(f"data.regenerate must be true for Magpie sources (they have no answers); got "
+                             f"sources {magpie} with regenerate false")  # fmt: skip
         if self.drafter.cod_min_ratio > self.drafter.cod_keep_ratio:
             raise ValueError(
                 "drafter.cod_min_ratio must not exceed drafter.cod_keep_ratio; "

@@ -20,8 +20,8 @@ fi
 
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-echo "setup: installing peagle-ray[$EXTRA,test] into $VENV (a few minutes the first time) ..."
-"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check -e ".[$EXTRA,test]" 2>&1 \
+echo "setup: installing peagle-ray[$EXTRA,test,data] into $VENV (a few minutes the first time) ..."
+"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check -e ".[$EXTRA,test,data]" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 # pip's exit status is hidden by the filter above: check the install really happened.
 "$VENV/bin/python" -c "import peagle_ray, ray, mlflow, transformers, torch" \

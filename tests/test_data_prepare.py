@@ -12,12 +12,12 @@ from peagle_ray.data.prepare import (
     Conversation,
     finish_sample,
     prepare_samples,
-    read_conversations,
     read_prepared,
     read_token_counts,
     tokenize_conversation,
     write_prepared,
 )
+from peagle_ray.data.sources import read_conversations
 from peagle_ray.data.suite import CATEGORIES, builtin_conversations
 
 

@@ -16,14 +16,8 @@ from pathlib import Path
 from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_records, write_offline
 from peagle_ray.capture.target_server import start_target_server, stop_target_server
 from peagle_ray.config import PeagleConfig
-from peagle_ray.data.prepare import (
-    BadRows,
-    TokenizedSample,
-    prepare_samples,
-    read_conversations,
-    read_prepared,
-    write_prepared,
-)
+from peagle_ray.data.prepare import BadRows, TokenizedSample, prepare_samples, read_prepared, write_prepared
+from peagle_ray.data.sources import PromptWriter, is_magpie, magpie_prefix, read_conversations
 from peagle_ray.target import TargetInfo, read_target_info, resolve_target_path
 
 
@@ -73,6 +67,23 @@ def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[l
     return regenerate
 
 
+def prompt_writer(handle, cfg: PeagleConfig, tokenizer) -> PromptWriter:
+    """Magpie: the target completes its chat template's user-turn prefix, n requests at a time (each with
+    its own seed, so reruns write the same prompts); returns (decoded prompt, stopped before the limit)."""
+    prefix, limit, asked = magpie_prefix(tokenizer), cfg.data.magpie_max_tokens, [0]
+
+    def write(n: int) -> list[tuple[str, bool] | None]:
+        seeds = [cfg.data.seed + asked[0] + i for i in range(n)]
+        asked[0] += n
+        responses = [handle.generate.remote(prefix, limit, cfg.data.magpie_temperature, s) for s in seeds]
+        written = [_result_or_none(r) for r in responses]
+        return [None if ids is None else (tokenizer.decode(ids, skip_special_tokens=True),
+                                          len(ids) < limit or ids[-1] == tokenizer.eos_token_id)
+                for ids in written]  # fmt: skip
+
+    return write
+
+
 def _result_or_none(response):
     """A failed request is one bad row (counted by the caller), not a failed run."""
     try:
@@ -93,7 +104,8 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
     if cfg.data.regenerate and session is None:
         raise ValueError("data.regenerate is true but no target session was given")
     regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate else None
-    conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad)
+    writer = prompt_writer(session.handle, cfg, tokenizer) if session is not None else None
+    conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer)
     samples = prepare_samples(conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4)
     with tqdm(desc="prepare", unit="sample") as bar:
         summary = write_prepared(samples, Path(cfg.data.output_dir), read_target_info(target).vocab_size, bad, bar)
@@ -130,8 +142,9 @@ def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: i
 def prepare_and_capture(cfg: PeagleConfig, prepare: bool, capture: bool) -> dict:
     """The data half of the pipeline in one target session: prepare (regenerating if configured), capture."""
     summary = {}
-    if prepare and not cfg.data.regenerate and not capture:
-        return {"prepare": run_prepare(cfg, None)}  # no target needed
+    needs_target = capture or cfg.data.regenerate or any(is_magpie(s) for s in cfg.data.sources)
+    if prepare and not needs_target:
+        return {"prepare": run_prepare(cfg, None)}
     with target_session(cfg) as session:
         if prepare:
             summary["prepare"] = run_prepare(cfg, session)

@@ -4,8 +4,8 @@ greedy mismatches against the target alone; the recommended K (best measured ove
 algorithm, written to the JSON and to each drafter's config.json (speculative_tokens, used by serving).
 
 Each configuration is one vLLM engine in its own process (`vllm_run`): the acceptance prompts of a
-category run batched, the timing prompts at batch 1. Prompts are the prepared validation split (the
-prompt part of each conversation), eval.prompts_per_category per category.
+category run batched, the timing prompts at batch 1. Prompts come from eval.suite: the prepared validation
+split (the prompt part of each conversation), MT-Bench or HumanEval; eval.prompts_per_category per category.
 
 Per category and overall (DESIGN.md §4): k, acceptance_per_position, acceptance_length, tokens_per_s,
 baseline_tokens_per_s, speedup, greedy_mismatches; and step_cost_vs_target, what one decode step (draft +
@@ -43,8 +43,12 @@ def default_drafters(cfg: PeagleConfig) -> dict[str, Path]:
     return {a: d for a, d in found.items() if (d / "config.json").is_file()}
 
 
-def eval_prompts(cfg: PeagleConfig) -> dict[str, list[list[int]]]:
-    """{category: prompt token ids} from the prepared validation split, eval.prompts_per_category each."""
+def eval_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[int]]]:
+    """{category: prompt token ids}, eval.prompts_per_category each, from eval.suite: the prepared validation
+    split (the prompt part of each conversation), or MT-Bench / HumanEval rendered with the target's chat
+    template (prompts that leave no room for eval.max_new_tokens in target.max_model_len are left out)."""
+    if cfg.eval.suite != "validation":
+        return _suite_prompts(cfg, target_dir)
     from peagle_ray.data.prepare import read_prepared
 
     path = Path(cfg.data.output_dir) / "validation.jsonl"
@@ -57,6 +61,22 @@ def eval_prompts(cfg: PeagleConfig) -> dict[str, list[list[int]]]:
             prompts[sample.category].append(sample.input_ids[: sample.loss_mask.index(1)])
     if not prompts:
         raise ValueError(f"data.output_dir = {cfg.data.output_dir}: the validation split has no prompts to evaluate")
+    return dict(sorted(prompts.items()))
+
+
+def _suite_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    from peagle_ray.data.prepare import render
+    from peagle_ray.data.public import EVAL_SUITES
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=cfg.target.trust_remote_code)
+    room = cfg.target.max_model_len - cfg.eval.max_new_tokens
+    prompts: dict[str, list[list[int]]] = defaultdict(list)
+    for item in EVAL_SUITES[cfg.eval.suite]():
+        ids = render(tokenizer, item.messages, add_generation_prompt=True)
+        if len(ids) <= room and len(prompts[item.category]) < cfg.eval.prompts_per_category:
+            prompts[item.category].append(ids)
     return dict(sorted(prompts.items()))
 
 
@@ -127,11 +147,11 @@ def run_eval(cfg: PeagleConfig, target_dir: Path, drafters: dict[str, Path], k_v
              progress: bool = True, write_k: bool = True) -> dict:  # fmt: skip
     """The sweep; drafters = {"peagle": dir, "eagle3": dir} (either may be missing). write_k: store each
     algorithm's recommended K in its drafter's config.json."""
-    prompts = eval_prompts(cfg)
+    prompts = eval_prompts(cfg, target_dir)
     k_values = sorted(k_values or cfg.eval.k_values)
     plan = [(None, None)] + [(alg, k) for alg in ALGORITHMS if alg in drafters for k in k_values]
     bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
-    results: dict = {"target": str(target_dir), "categories": list(prompts), "k_values": k_values,
+    results: dict = {"target": str(target_dir), "suite": cfg.eval.suite, "categories": list(prompts), "k_values": k_values,
                      "prompts_per_category": cfg.eval.prompts_per_category, "timing_prompts": cfg.eval.timing_prompts,
                      "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.target.dtype}  # fmt: skip
     baseline = None

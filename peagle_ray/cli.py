@@ -212,7 +212,8 @@ def _cmd_bench_train_memory(args: argparse.Namespace) -> int:
     from peagle_ray.bench import train_memory
 
     result = train_memory.run(tuple(args.seq_lens), tuple(args.depths), args.segment_length, args.draft_vocab_size,
-                              args.memory_limit_gb, progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+                              args.memory_limit_gb, progress=lambda line: print(line, file=sys.stderr),
+                              freeze_lm_head=args.freeze_lm_head)  # fmt: skip
     _write_json(result, args.json)
     return 0
 
@@ -270,11 +271,12 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     latency.set_defaults(func=_cmd_bench_draft_latency)
     memory = kinds.add_parser("train-memory", help="Peak RSS and tokens/s of one training step, with and without "
                                                    "sequence partitioning, each in a fresh subprocess.")  # fmt: skip
-    memory.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
+    memory.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     memory.add_argument("--depths", type=int, nargs="+", default=[4, 8])
     memory.add_argument("--segment-length", type=int, default=2048, help="Elements per partition segment.")
     memory.add_argument("--draft-vocab-size", type=int, default=32768)
     memory.add_argument("--memory-limit-gb", type=float, default=18.0, help="Stop a configuration past this RSS.")
+    memory.add_argument("--freeze-lm-head", action="store_true", help="Measure with the draft lm_head frozen.")
     memory.set_defaults(func=_cmd_bench_train_memory)
     masks = kinds.add_parser("mask", help="Attention-mask time per step: amortized (built once, sliced) vs rebuilt.")
     masks.add_argument("--max-positions", type=int, nargs="+", default=[1024, 2048, 4096])

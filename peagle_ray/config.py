@@ -169,6 +169,10 @@ class DrafterConfig(_Section):
     norm_before_residual: bool = False
     """Apply hidden_norm before the residual connection of layer 0 (speculators config flag)."""
 
+    freeze_lm_head: bool = False
+    """Keep the draft lm_head at its initial value, the target's lm_head rows of the draft vocabulary (as the
+    speculators reference trainer does): DV x H fewer trained parameters and no head gradient GEMM."""
+
     @property
     def trained_depths(self) -> int:
         """Depths a training sequence samples: ttt_steps for EAGLE-3 when set, else num_depths."""

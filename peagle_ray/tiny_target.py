@@ -49,6 +49,9 @@ class TinyTargetSpec:
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
     seed: int = 0
+    lm_head_std: float = 0.1
+    """Init scale of the (untied) lm_head: 0.1 gives flat next-token distributions; ~1 gives peaked ones,
+    whose greedy choices a drafter can memorize (the memorization guard test)."""
 
 
 def corpus_text() -> list[str]:
@@ -114,9 +117,10 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec
     generator = torch.Generator().manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.ndim > 1:  # norms keep their ones; matrices get a seeded init
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+                std = spec.lm_head_std if name == "lm_head.weight" else 0.1
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -14,6 +14,7 @@ def test_train_memory_reports_every_configuration():
     assert rows[0]["segments"] >= 2 and rows[1]["segments"] == 1
     assert rows[0]["elements"] == rows[1]["elements"]  # same seeded COD sampling
     assert all(r["peak_rss_mb"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["reference_tokens_per_s"] == "not measured" and "vs_reference" not in rows[0]
 
 
 def test_bench_train_measures_one_and_two_workers(tiny_target, ray_local):

@@ -14,7 +14,7 @@ from peagle_ray.capture.pipeline import (
     validate_capture,
 )
 from peagle_ray.capture.reference import hf_hidden_states
-from peagle_ray.capture.run import run_capture_offline, run_prepare, target_session
+from peagle_ray.capture.run import prompt_writer, run_capture_offline, run_prepare, target_session
 from peagle_ray.config import build_config
 from peagle_ray.data.prepare import BadRows, TokenizedSample, read_prepared
 
@@ -61,6 +61,17 @@ def test_regeneration_is_the_targets_greedy_answer(session, model):
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 15:].tolist()
     assert generated == expected
     assert s.handle.storage_files.remote().result() == []
+
+
+def test_magpie_prompts_are_written_by_the_target_with_seeds(session, tiny_target):
+    from transformers import AutoTokenizer
+
+    cfg, s = session
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    first = prompt_writer(s.handle, cfg, tokenizer)(3)
+    assert first == prompt_writer(s.handle, cfg, tokenizer)(3)  # seeded: a rerun writes the same prompts
+    assert all(isinstance(text, str) and isinstance(finished, bool) for text, finished in first)
+    assert len({text for text, _ in first}) == 3  # one seed per request
 
 
 def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):

@@ -91,6 +91,11 @@ def test_counted_sources_are_validated():
     assert build_config({"data": {"sources": ["sharegpt", "sharegpt:3", "magpie:2"]}}).data.sources[2] == "magpie:2"
 
 
+def test_magpie_without_the_target_is_refused():
+    with pytest.raises(ValueError, match="data.sources entry 'magpie:3' needs the target"):
+        list(read_conversations(["magpie:3"], 0.0, BadRows()))
+
+
 def test_magpie_prefix_is_the_user_turn_opening(tiny_target):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     assert tokenizer.decode(magpie_prefix(tokenizer)) == "<|im_start|>user\n"

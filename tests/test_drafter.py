@@ -53,24 +53,40 @@ def test_chunked_kl_equals_the_plain_loss_in_value_and_gradient():
     _, teacher = tiny_drafter(tiny_arch())
     x = torch.randn(11, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(DRAFT_VOCAB, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
-    t = torch.randn(11, HIDDEN, generator=g, dtype=torch.float64)
+    t = torch.randn(6, HIDDEN, generator=g, dtype=torch.float64)
+    index = torch.tensor([3, 0, 5, 3, 1, 3, 0, 4, 4, 5, 3])  # positions shared by several elements, unsorted
     weights = torch.rand(11, generator=g, dtype=torch.float64)
-    loss, kl, correct = kl_loss(x, w, t, teacher, weights, chunk=4)
+    loss, kl, correct = kl_loss(x, w, t, index, teacher, weights, chunk=4)
     loss.backward()
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    reference = kl_loss_reference(x, w, t, teacher, weights)
+    reference = kl_loss_reference(x, w, t, index, teacher, weights)
     reference.backward()
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
     assert (kl >= 0).all() and correct.dtype == torch.bool
+    plain_kl = [float(kl_loss_reference(x[i : i + 1], w, t, index[i : i + 1], teacher, torch.ones(1))) for i in range(11)]
+    torch.testing.assert_close(kl, torch.tensor(plain_kl, dtype=torch.float64))  # each element its own row
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():
+    g = torch.Generator().manual_seed(1)
+    _, teacher = tiny_drafter(tiny_arch())
+    x = torch.randn(7, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(DRAFT_VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    t, index, weights = torch.randn(4, HIDDEN, dtype=torch.float64), torch.tensor([0, 1, 1, 2, 3, 3, 3]), torch.ones(7)
+    kl_loss(x, w, t, index, teacher, weights.double(), chunk=3)[0].backward()
+    frozen = x.grad.clone()
+    x.grad = None
+    kl_loss_reference(x, w, t, index, teacher, weights.double()).backward()
+    torch.testing.assert_close(frozen, x.grad)
 
 
 def test_kl_is_zero_when_draft_equals_target():
     _, teacher = tiny_drafter(tiny_arch())
     t = torch.randn(5, HIDDEN, dtype=torch.float64)
-    loss, kl, correct = kl_loss(teacher.normed(t), teacher.head, t, teacher, torch.ones(5, dtype=torch.float64))
+    loss, kl, correct = kl_loss(teacher.normed(t), teacher.head, t, torch.arange(5), teacher, torch.ones(5, dtype=torch.float64))
     assert float(loss) == pytest.approx(0.0, abs=1e-12) and correct.all()
 
 

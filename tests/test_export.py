@@ -17,6 +17,7 @@ from peagle_ray.drafter.vocab import count_tokens
 from peagle_ray.engine import vllm_cpu_env
 from peagle_ray.eval.offline import Acceptance, replay_greedy
 from peagle_ray.export.speculators import PROVENANCE, export_drafter
+from peagle_ray.tiny_target import TinyTargetSpec, build_tiny_target
 from peagle_ray.train.elements import TrainSequence
 from peagle_ray.train.step import train_loop
 from tests.conftest import REPO
@@ -24,13 +25,12 @@ from tests.conftest import REPO
 K, PROMPT, GENERATED = 3, 16, 40
 
 
-@pytest.fixture(scope="module")
-def greedy_data(tiny_target):
-    """Sequences the tiny target produced greedily, with their hidden states: 32 to train, 5 held out."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+def greedy_records(target, count: int) -> list[tuple]:
+    """(sequence, loss mask, aux hidden, last hidden) of `count` sequences the target produced greedily."""
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     records = []
-    for _ in range(37):
+    for _ in range(count):
         prompt = torch.randint(10, 500, (PROMPT,), generator=g)
         with torch.no_grad():
             seq = model.generate(prompt[None], max_new_tokens=GENERATED, min_new_tokens=GENERATED, do_sample=False)[0]
@@ -38,6 +38,13 @@ def greedy_data(tiny_target):
         mask = torch.zeros(len(seq))
         mask[PROMPT:] = 1
         records.append((seq, mask, aux, last))
+    return records
+
+
+@pytest.fixture(scope="module")
+def greedy_data(tiny_target):
+    """32 greedy sequences to train on, 5 held out."""
+    records = greedy_records(tiny_target, 37)
     return records[:32], records[32:]
 
 
@@ -92,3 +99,43 @@ def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(tiny_t
     assert metrics["vllm:spec_decode_num_drafts"] == expected.drafts
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == expected.accepted
     assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos"] == expected.per_position
+
+
+MEMORIZE_K = 4
+
+
+@pytest.fixture(scope="module")
+def peaked_target(tmp_path_factory):
+    """The tiny target with a 10x larger lm_head: peaked next-token distributions, so its greedy choices are
+    decisive and a drafter can memorize them (the default tiny target's are nearly flat)."""
+    return build_tiny_target(tmp_path_factory.mktemp("peaked-target"), TinyTargetSpec(lm_head_std=1.0))
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm(peaked_target, tmp_path, algorithm):
+    """The correctness guard: train to memorize 4 greedy sequences, serve with stock vLLM on their prompts.
+    Every draft position must be accepted almost always (position 1 >= 0.9, each later position >= 0.8 of
+    the one before; measured 1.0 / 1.0 / 1.0 / 1.0 for P-EAGLE). A drafter whose depth >= 1 inputs,
+    positions or labels are off by one against vLLM's proposer learns something vLLM never asks for, and
+    fails here (checked by mutating each)."""
+    memorized = greedy_records(peaked_target, 4)
+    cfg = build_config({"drafter": {"algorithm": algorithm, "num_depths": MEMORIZE_K, "draft_vocab_size": 400},
+                        "training": {"learning_rate": 3e-3, "warmup_steps": 10, "max_steps": 200,
+                                     "sequences_per_step": 4}})  # fmt: skip
+    counts = count_tokens([(s, m) for s, m, _, _ in memorized], 516)
+    drafter, teacher, _ = drafter_for_target(peaked_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
+    history = train_loop(drafter, teacher, [TrainSequence.from_record(*r) for r in memorized], cfg.drafter,
+                         cfg.training, torch.Generator().manual_seed(1))  # fmt: skip
+    out = export_drafter(drafter, tmp_path / algorithm, peaked_target, [2, 3, 5], MEMORIZE_K)
+    prompts = [s[:PROMPT].tolist() for s, *_ in memorized]
+    cmd = [sys.executable, str(REPO / "tests/helpers/vllm_spec.py"), str(peaked_target), str(out), str(MEMORIZE_K),
+           "1" if algorithm == "peagle" else "0", json.dumps(prompts), str(GENERATED)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1))
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    assert outcome["tokens"] == [s[PROMPT:].tolist() for s, *_ in memorized]  # lossless
+    metrics = outcome["metrics"]
+    rates = [a / metrics["vllm:spec_decode_num_drafts"] for a in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]]
+    accuracy = history[-1].accuracy()
+    assert rates[0] >= 0.9, (rates, accuracy)
+    assert all(later >= 0.8 * earlier for earlier, later in zip(rates, rates[1:])), (rates, accuracy)

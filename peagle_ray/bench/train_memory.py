@@ -4,7 +4,12 @@ fresh subprocess (so peaks do not mix), with and without sequence partitioning.
 The drafter has the SmolLM2 shape (H=576, 1 layer, draft vocabulary 32768, float32); the sequence is N
 positions of random hidden states, every position supervised, COD 0.7 / 0.2. tokens/s counts base
 positions (N) per second of the second step (the first warms up). A configuration whose process passes
-`memory_limit_gb` is stopped and reported as such rather than taking the machine down.
+`memory_limit_gb` is stopped and reported as such rather than taking the machine down. `freeze_lm_head`
+measures the step with the draft lm_head frozen (drafter.freeze_lm_head), as the reference trainer has it.
+
+Each row also carries `reference_tokens_per_s`: the speculators 0.9 P-EAGLE trainer (patched to run on CPU
+with SDPA) on the same shape, as measured once on this machine kind (2 cores; issue 11) - quoted, not re-run
+here (it is not a dependency) - and `vs_reference`, ours / that figure.
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ from peagle_ray.train.elements import TrainSequence, cod_sample
 from peagle_ray.train.step import sequence_backward
 
 UNPARTITIONED = 10**9  # a segment length no sequence reaches
+# (N, K) -> base tokens/s of the speculators 0.9 trainer, SmolLM2 shape, DV 32768, fp32 (None: out of memory)
+REFERENCE_TOKENS_PER_S = {(1024, 4): 364.0, (1024, 8): 278.0, (2048, 4): 329.0, (2048, 8): 174.0,
+                          (4096, 8): 114.0, (8192, 4): None, (8192, 8): None}  # fmt: skip
 
 
-def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, draft_vocab_size: int) -> dict:
+def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, draft_vocab_size: int,
+             freeze_lm_head: bool = False) -> dict:  # fmt: skip
     """Run in the child process: two steps, report the second's time and the process's peak RSS."""
     arch = bench_arch("peagle", depths, draft_vocab_size)
     drafter, teacher = random_drafter(arch)
+    drafter.lm_head.weight.requires_grad_(not freeze_lm_head)
     g = torch.Generator().manual_seed(0)
     t = seq_len + 1
     seq = TrainSequence.from_record(torch.randint(0, arch.vocab_size - 1, (t,), generator=g), torch.ones(t),
@@ -71,20 +81,25 @@ def _run_child(args: list[str], memory_limit_gb: float) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(seq_lens=(1024, 4096, 8192), depths=(4, 8), segment_length: int = 2048, draft_vocab_size: int = 32768,
-        memory_limit_gb: float = 18.0, progress=print) -> dict:  # fmt: skip
+def run(seq_lens=(1024, 2048, 4096, 8192), depths=(4, 8), segment_length: int = 2048, draft_vocab_size: int = 32768,
+        memory_limit_gb: float = 18.0, progress=print, freeze_lm_head: bool = False) -> dict:  # fmt: skip
     rows = []
     for n in seq_lens:
         for k in depths:
             for partitioned in (True, False):
-                args = [str(n), str(k), str(int(partitioned)), str(segment_length), str(draft_vocab_size)]
+                args = [str(n), str(k), str(int(partitioned)), str(segment_length), str(draft_vocab_size),
+                        str(int(freeze_lm_head))]  # fmt: skip
                 row = {"seq_len": n, "depths": k, "partitioned": partitioned, **_run_child(args, memory_limit_gb)}
+                reference = REFERENCE_TOKENS_PER_S.get((n, k), "not measured") if draft_vocab_size == 32768 else "not measured"
+                row["reference_tokens_per_s"] = reference
+                if isinstance(reference, float) and row.get("tokens_per_s"):
+                    row["vs_reference"] = round(row["tokens_per_s"] / reference, 3)
                 progress(json.dumps(row))
                 rows.append(row)
     return {"hidden_size": 576, "layers": 1, "draft_vocab_size": draft_vocab_size, "segment_length": segment_length,
-            "rows": rows}  # fmt: skip
+            "freeze_lm_head": freeze_lm_head, "rows": rows}  # fmt: skip
 
 
 if __name__ == "__main__":
-    n, k, part, seg, dv = (int(a) for a in sys.argv[1:6])
-    print(json.dumps(one_step(n, k, bool(part), seg, dv)))
+    n, k, part, seg, dv, frozen = (int(a) for a in sys.argv[1:7])
+    print(json.dumps(one_step(n, k, bool(part), seg, dv, bool(frozen))))

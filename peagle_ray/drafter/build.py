@@ -114,4 +114,5 @@ def drafter_for_target(target_dir: Path, drafter_cfg: DrafterConfig, token_count
     d2t, t2d = draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
     arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
     drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator)
+    drafter.lm_head.weight.requires_grad_(not drafter_cfg.freeze_lm_head)
     return drafter, teacher, mask

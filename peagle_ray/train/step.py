@@ -122,8 +122,8 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
         own = segment.own.select(rows)
         with torch.set_grad_enabled(backward), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             out = drafter.forward_elements(tokens, hidden, on_device, mask_fn, len(segment.context))
-            loss, kl, correct = kl_loss(drafter.norm(out[rows.to(device)]), drafter.lm_head.weight,
-                                        teacher_hidden[own.position.to(device)], teacher,
+            loss, kl, correct = kl_loss(drafter.norm(out[rows.to(device)]), drafter.lm_head.weight, teacher_hidden,
+                                        own.position.to(device), teacher,
                                         weights[own_index[rows]].to(device, out.dtype), loss_chunk)  # fmt: skip
         if backward:
             loss.backward()

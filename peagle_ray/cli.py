@@ -260,6 +260,30 @@ def _cmd_bench_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_ablation(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import learning
+
+    cfg = _config(args)
+    variants = {name: overrides for name, *overrides in args.variant} if args.variant else {"baseline": []}
+    result = learning.ablation(cfg, variants, args.steps, args.validation_records,
+                               progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
+    learning.log_to_mlflow(cfg, result, Path(cfg.training.storage_path) / "bench" / "ablation")
+    return 0
+
+
+def _cmd_bench_learning_curve(args: argparse.Namespace) -> int:
+    from peagle_ray.bench import learning
+
+    cfg = _config(args)
+    work_dir = Path(cfg.training.storage_path) / "bench" / "learning-curve"
+    result = learning.learning_curve(cfg, args.budgets, args.algorithms, work_dir, args.validation_records,
+                                     progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    _write_json(result, args.json)
+    learning.log_to_mlflow(cfg, result, work_dir)
+    return 0
+
+
 def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     kinds = sub.add_subparsers(dest="kind", metavar="kind", required=True)
     latency = kinds.add_parser("draft-latency", help="Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.")
@@ -310,7 +334,24 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     load.add_argument("--max-tokens", type=int, default=64)
     _add_config_args(load)
     load.set_defaults(func=_cmd_bench_load)
-    for parser in (latency, memory, masks, capture, train, e2e, load):
+    ablation = kinds.add_parser("ablation", help="Validation AL of drafter variants trained on the same offline "
+                                                 "shards, steps and seeds (one process, the job's own step).")  # fmt: skip
+    ablation.add_argument("--variant", nargs="+", action="append", metavar=("NAME", "SECTION.FIELD=VALUE"),
+                          help="A variant: its name, then config overrides (repeatable; the first is the baseline), "
+                               "e.g. --variant base --variant frozen drafter.freeze_lm_head=true")  # fmt: skip
+    ablation.add_argument("--steps", type=int, default=100, help="Optimizer steps per variant.")
+    curve = kinds.add_parser("learning-curve", help="Validation AL (and eval.suite AL from stock vLLM) against "
+                                                    "training tokens, per algorithm; JSON, MLflow and a plot.")  # fmt: skip
+    curve.add_argument("--budgets", type=int, nargs="+", default=[50, 100, 200, 400], help="Steps to measure at.")
+    curve.add_argument("--algorithms", nargs="+", choices=["peagle", "eagle3"], default=["peagle", "eagle3"])
+    curve.add_argument("--suite", choices=["validation", "mt-bench", "humaneval"],
+                       help="Also measure this suite's AL with vLLM at each budget (default: eval.suite).")  # fmt: skip
+    for parser in (ablation, curve):
+        parser.add_argument("--validation-records", type=int, default=32, help="Validation records replayed.")
+        _add_config_args(parser)
+    ablation.set_defaults(func=_cmd_bench_ablation)
+    curve.set_defaults(func=_cmd_bench_learning_curve)
+    for parser in (latency, memory, masks, capture, train, e2e, load, ablation, curve):
         parser.add_argument("--json", type=Path, help="Also write the result to this JSON file.")
 
 

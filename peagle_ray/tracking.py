@@ -107,3 +107,35 @@ def _param(key: str, value: str):
     from mlflow.entities import Param
 
     return Param(key, value)
+
+
+def log_rows(uri: str, cfg: PeagleConfig, run_name: str, rows: list[dict], step_key: str, prefix: str,
+             artifacts: list[Path], work_dir: Path) -> str:  # fmt: skip
+    """A benchmark's rows as one finished run named `run_name`: every numeric field of a row becomes the metric
+    `prefix/field` at step = row[step_key] (list fields: `prefix/field_1..n`); `artifacts` are attached.
+    Returns the run id."""
+    import math
+
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from peagle_ray.config import with_values
+
+    client = MlflowClient(uri)
+    run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": run_name}), work_dir)
+    now = int(1000 * time.time())
+    metrics = []
+    for row in rows:
+        step = int(row[step_key])
+        for key, value in row.items():
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    name = f"{prefix}/{key}_{i + 1}" if isinstance(value, list) else f"{prefix}/{key}"
+                    metrics.append(Metric(name, float(v), now, step))
+    for i in range(0, len(metrics), 900):  # MLflow caps a batch at 1000 metrics
+        client.log_batch(run_id, metrics=metrics[i : i + 900])
+    for path in artifacts:
+        client.log_artifact(run_id, str(path), artifact_path=prefix)
+    client.set_terminated(run_id, "FINISHED")
+    return run_id

@@ -127,3 +127,33 @@ def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
         assert bar.n == 100 and "val AL 1.250" in str(bar)
         client.log_metric(run_id, "val/acceptance_length", 1.3, step=199)
     assert bar.n == 200  # the last reading is taken on the way out
+
+
+def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(workdir, tiny_target):
+    from peagle_ray.bench import learning
+    from peagle_ray.config import with_values
+
+    cfg = config(workdir, tiny_target)
+    result = learning.ablation(cfg, {"base": [], "frozen": ["drafter.freeze_lm_head=true"]}, steps=3,
+                               progress=lambda _line: None)  # fmt: skip
+    base, frozen = result["variants"]["base"], result["variants"]["frozen"]
+    assert base["trainable_parameters"] - frozen["trainable_parameters"] == 300 * 96  # the DV x H head
+    assert base["steps"] == 3 and base["train_tokens"] > 0 and base["val_al_gain_vs_baseline"] == 0
+    assert all(1 <= r["val_acceptance_length"] <= K + 1 and len(r["val_acceptance_per_position"]) == K
+               for r in result["variants"].values())  # fmt: skip
+
+    curve_cfg = with_values(cfg, {"eval.suite": "mt-bench", "eval.prompts_per_category": 1, "eval.max_new_tokens": 8,
+                                  "target.max_model_len": 1024})  # fmt: skip
+    curve = learning.learning_curve(curve_cfg, [2, 1], ["peagle"], workdir / "curve", progress=lambda _line: None)
+    rows = curve["curves"]["peagle"]
+    assert [r["steps"] for r in rows] == [1, 2] and rows[0]["train_tokens"] < rows[1]["train_tokens"]
+    assert all(1 <= r["suite_acceptance_length"] <= K + 1 and len(r["suite_acceptance_per_position"]) == K for r in rows)
+    assert (workdir / "curve" / "learning_curve.png").stat().st_size > 0
+
+    runs = learning.log_to_mlflow(cfg, curve, workdir / "curve")
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    run = client.get_run(runs["peagle"])
+    assert run.info.status == "FINISHED" and run.data.tags["peagle.run_name"] == "curve-peagle"
+    steps = [m.step for m in client.get_metric_history(runs["peagle"], "curve/suite_acceptance_length")]
+    assert steps == [r["train_tokens"] for r in rows]
+    assert "curve/learning_curve.png" in [a.path for a in client.list_artifacts(runs["peagle"], "curve")]

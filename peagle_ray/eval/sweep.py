@@ -77,6 +77,9 @@ def _suite_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[i
         ids = render(tokenizer, item.messages, add_generation_prompt=True)
         if len(ids) <= room and len(prompts[item.category]) < cfg.eval.prompts_per_category:
             prompts[item.category].append(ids)
+    if not prompts:
+        raise ValueError(f"eval.suite = {cfg.eval.suite}: no prompt leaves eval.max_new_tokens = {cfg.eval.max_new_tokens} "
+                         f"of room in target.max_model_len = {cfg.target.max_model_len}")  # fmt: skip
     return dict(sorted(prompts.items()))
 
 

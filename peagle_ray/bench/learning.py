@@ -1,0 +1,190 @@
+"""`peagle-ray bench ablation` and `peagle-ray bench learning-curve`: what a drafter learns per training budget.
+
+Both train in one process on the offline shards (capture.output_dir, after `peagle-ray data capture`) with the
+Ray Train job's own step (`train_step`, one worker) and validation (`validate`: per-depth accuracy and offline
+greedy acceptance per position on the validation split, which equals vLLM's counters), so a figure here is
+what the job reaches with one worker at the same budget and seeds.
+
+ablation - one run per variant (dotted config overrides on top of the config), same data, steps and seeds:
+    {"steps", "baseline": NAME, "variants": {NAME: {"overrides", "val_acceptance_length", "val_acceptance_per_position",
+     "train_tokens", "train_seconds", "tokens_per_s", "trainable_parameters", "acc_by_depth"}}}
+
+learning-curve - per algorithm one run to the largest budget (its cosine schedule ends there), measured at each
+budget: validation AL (offline replay) and, for eval.suite other than "validation", the suite's AL from stock
+vLLM serving the checkpoint exported at that budget, against training tokens (base positions):
+    {"budgets", "suite", "curves": {algorithm: [{"steps", "train_tokens", "val_acceptance_length", "suite_acceptance_length",
+     "suite_acceptance_per_position", ...}, ...]}, "plot"}
+Both are logged to MLflow through tracking.py (a run per variant / algorithm, metrics against training tokens,
+the plot and the JSON as artifacts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from peagle_ray.config import PeagleConfig, with_values
+
+Progress = Callable[[str], None]
+
+
+def split_records(cfg: PeagleConfig, max_validation: int | None) -> tuple[list[dict], list[dict]]:
+    """(train, validation) records from the offline shards; refuses an empty split naming the field."""
+    from peagle_ray.capture.pipeline import read_offline
+
+    records = list(read_offline(Path(cfg.capture.output_dir)))
+    train = [r for r in records if r["split"] == "train"]
+    validation = [r for r in records if r["split"] == "validation"][:max_validation]
+    if not train:
+        raise ValueError(f"capture.output_dir = {cfg.capture.output_dir} holds no training records")
+    if not validation:
+        raise ValueError(f"capture.output_dir = {cfg.capture.output_dir} holds no validation records; "
+                         f"raise data.validation_fraction (got {cfg.data.validation_fraction}) and prepare again")  # fmt: skip
+    return train, validation
+
+
+def train_and_measure(cfg: PeagleConfig, train: list[dict], validation: list[dict], budgets: list[int],
+                      measure: Callable[[object, int], dict] | None = None, progress: Progress = print) -> list[dict]:  # fmt: skip
+    """Train one drafter for max(budgets) steps (cfg.training.max_steps is set to that by the caller), cycling
+    through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
+    `measure(drafter, steps)` for extra figures, and append a row."""
+    from peagle_ray.data.prepare import read_token_counts
+    from peagle_ray.drafter.build import drafter_for_target
+    from peagle_ray.train.job import check_inputs, to_sequence, validate
+    from peagle_ray.train.step import make_optimizer, train_step
+
+    inputs = check_inputs(cfg)
+    tcfg = cfg.training
+    drafter, teacher, _ = drafter_for_target(inputs["info"].path, cfg.drafter, read_token_counts(cfg.data.output_dir),
+                                             len(inputs["aux_layer_ids"]), torch.Generator().manual_seed(tcfg.seed))  # fmt: skip
+    optimizer, scheduler = make_optimizer(drafter, tcfg)
+    generator = torch.Generator().manual_seed(tcfg.seed + 1)
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    rows, tokens, seconds, per_step = [], 0, 0.0, tcfg.sequences_per_step
+    for step in range(max(budgets)):
+        batch = [to_sequence(train[(step * per_step + i) % len(train)]) for i in range(per_step)]
+        started = time.perf_counter()
+        stats = train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, tcfg, generator)
+        seconds += time.perf_counter() - started
+        tokens += stats.positions
+        if step + 1 not in budgets:
+            continue
+        val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed))
+        k = cfg.drafter.num_depths
+        row = {"steps": step + 1, "train_tokens": tokens, "epochs": round((step + 1) * per_step / len(train), 2),
+               "train_seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
+               "trainable_parameters": trainable, "train_loss": round(stats.loss, 4),
+               "val_acceptance_length": round(val["val/acceptance_length"], 4),
+               "val_acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
+               "val_acc_by_depth": [round(val.get(f"val/acc_depth_{d}", math.nan), 4)
+                                    for d in range(cfg.drafter.trained_depths)]}  # fmt: skip
+        if measure is not None:
+            row.update(measure(drafter, step + 1))
+        progress(json.dumps({"algorithm": cfg.drafter.algorithm, **row}))
+        rows.append(row)
+    return rows
+
+
+def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, int], dict]:
+    """measure(drafter, steps): export the drafter and read stock vLLM's acceptance on eval.suite (greedy,
+    eval.max_new_tokens, eval.prompts_per_category per category, K = drafter.num_depths)."""
+    from peagle_ray.eval.sweep import eval_prompts, run_engine
+    from peagle_ray.export.speculators import export_drafter
+    from peagle_ray.serve.app import read_drafter, speculative_config
+    from peagle_ray.serve.stats import SpecStats
+    from peagle_ray.train.job import check_inputs
+
+    inputs = check_inputs(cfg)
+    target_dir = inputs["info"].path
+    prompts = eval_prompts(cfg, target_dir)
+    k = cfg.drafter.num_depths
+
+    def measure(drafter, steps: int) -> dict:
+        out = export_drafter(drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs["aux_layer_ids"], k)
+        run = run_engine(cfg, target_dir, speculative_config(read_drafter(out), k), prompts, timing_prompts=0)
+        counters = sum((SpecStats(**c["counters"]) for c in run["acceptance"].values()), SpecStats())
+        return {"suite_acceptance_length": round(counters.acceptance_length, 4),
+                "suite_acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position]}  # fmt: skip
+
+    return measure
+
+
+def ablation(cfg: PeagleConfig, variants: dict[str, list[str]], steps: int, max_validation: int | None = 32,
+             progress: Progress = print) -> dict:  # fmt: skip
+    """One run per variant ({name: ["section.field=value", ...]}, values parsed as YAML), the first being the
+    baseline."""
+    train, validation = split_records(cfg, max_validation)
+    result = {"steps": steps, "baseline": next(iter(variants)), "train_records": len(train),
+              "validation_records": len(validation), "variants": {}}  # fmt: skip
+    for name, overrides in variants.items():
+        values = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in overrides)}
+        variant = with_values(cfg, {**values, "training.max_steps": steps})
+        (row,) = train_and_measure(variant, train, validation, [steps], progress=progress)
+        result["variants"][name] = {"overrides": overrides, **row}
+    baseline = result["variants"][result["baseline"]]["val_acceptance_length"]
+    for row in result["variants"].values():
+        row["val_al_gain_vs_baseline"] = round(row["val_acceptance_length"] - baseline, 4)
+    return result
+
+
+def learning_curve(cfg: PeagleConfig, budgets: list[int], algorithms: list[str], work_dir: Path,
+                   max_validation: int | None = 32, progress: Progress = print) -> dict:  # fmt: skip
+    """Per algorithm one run to max(budgets), measured at each budget (validation, and eval.suite via vLLM)."""
+    budgets = sorted(set(budgets))
+    train, validation = split_records(cfg, max_validation)
+    result = {"budgets": budgets, "suite": cfg.eval.suite, "train_records": len(train),
+              "validation_records": len(validation), "curves": {}}  # fmt: skip
+    for algorithm in algorithms:
+        run_cfg = with_values(cfg, {"drafter.algorithm": algorithm, "training.max_steps": max(budgets)})
+        measure = suite_measure(run_cfg, work_dir / "exports") if cfg.eval.suite != "validation" else None
+        result["curves"][algorithm] = train_and_measure(run_cfg, train, validation, budgets, measure, progress)
+    result["plot"] = str(plot_curve(result, work_dir / "learning_curve.png"))
+    return result
+
+
+def plot_curve(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for algorithm, rows in result["curves"].items():
+        tokens = [r["train_tokens"] for r in rows]
+        line = ax.plot(tokens, [r["val_acceptance_length"] for r in rows], marker="o", label=f"{algorithm} validation")
+        if rows and "suite_acceptance_length" in rows[0]:
+            ax.plot(tokens, [r["suite_acceptance_length"] for r in rows], marker="s", linestyle="--",
+                    color=line[0].get_color(), label=f"{algorithm} {result['suite']}")  # fmt: skip
+    ax.set(xscale="log", xlabel="training tokens (base positions)", ylabel="acceptance length (AL)",
+           title="Drafter learning curve")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path) -> dict[str, str]:
+    """An ablation's variants (run `ablation-<name>`, step = steps) or a learning curve's algorithms (run
+    `curve-<algorithm>`, step = training tokens, with the plot and the JSON) into MLflow; {name: run id}."""
+    from peagle_ray.tracking import log_rows, tracking_uri
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "result.json").write_text(json.dumps(result, indent=2))
+    runs = {}
+    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+        if "variants" in result:
+            for name, row in result["variants"].items():
+                runs[name] = log_rows(uri, cfg, f"ablation-{name}", [row], "steps", "ablation",
+                                      [work_dir / "result.json"], work_dir)  # fmt: skip
+        for algorithm, rows in result.get("curves", {}).items():
+            runs[algorithm] = log_rows(uri, cfg, f"curve-{algorithm}", rows, "train_tokens", "curve",
+                                       [Path(result["plot"]), work_dir / "result.json"], work_dir)  # fmt: skip
+    return runs

@@ -226,6 +226,17 @@ class TrainingConfig(_Section):
     depth_weights: list[float] | None = None
     """Per-depth loss weights (length K). None weighs all depths equally."""
 
+    feature_noise: float = Field(default=0.0, ge=0.0)
+    """EAGLE-style noise on the target's aux hidden states while training: uniform in +-feature_noise x the
+    sequence's hidden std (EAGLE trained with U(-0.1, 0.1)); it makes the drafter robust to its own errors in
+    the features. 0 turns it off."""
+
+    init_from: str | None = None
+    """Start from another drafter's weights: an exported drafter directory (model.safetensors) or a training
+    checkpoint (drafter.safetensors), e.g. a trained EAGLE-3 drafter fine-tuned into P-EAGLE. Tensors of equal
+    name and shape are copied (P-EAGLE's mask_hidden keeps its fresh init when the source is EAGLE-3); the
+    draft vocabularies must match. A resumed run continues from its own checkpoint instead."""
+
     validate_every: int = Field(default=50, gt=0)
     """Run validation every this many steps."""
 

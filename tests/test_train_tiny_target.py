@@ -111,3 +111,35 @@ def test_pinned_loss_trajectory(tiny_target, records):
 
 
 PINNED = [1.0597, 0.7509, 0.7009, 0.5987]
+
+
+def test_feature_noise_moves_only_the_inputs_within_its_bound(records):
+    from peagle_ray.train.step import with_feature_noise
+
+    seq = TrainSequence.from_record(*records[0])
+    noisy = with_feature_noise(seq, 0.1, torch.Generator().manual_seed(0))
+    bound = 0.1 * float(seq.hidden.std())
+    delta = noisy.hidden - seq.hidden
+    assert 0.9 * bound < float(delta.abs().max()) <= bound and abs(float(delta.mean())) < 0.05 * bound
+    assert noisy.teacher_hidden is seq.teacher_hidden and torch.equal(noisy.tokens, seq.tokens)
+
+
+def test_init_from_an_eagle3_export_copies_every_shared_tensor(tiny_target, records, tmp_path):
+    from peagle_ray.drafter.build import load_initial_weights
+    from peagle_ray.export.speculators import export_drafter
+
+    _, eagle3, _, _ = make(tiny_target, records, algorithm="eagle3")
+    with torch.no_grad():
+        eagle3.fc.weight.add_(1.0)  # "trained"
+    source = export_drafter(eagle3, tmp_path / "eagle3", tiny_target, [2, 3, 5], 3)
+    _, peagle, _, _ = make(tiny_target, records)
+    fresh_mask = peagle.mask_hidden.detach().clone()
+    copied = load_initial_weights(peagle, source)
+    assert "fc.weight" in copied and "mask_hidden" not in copied and "layers.0.self_attn.q_proj.weight" in copied
+    assert torch.equal(peagle.fc.weight, eagle3.fc.weight) and torch.equal(peagle.mask_hidden, fresh_mask)
+    other = build_config({"drafter": {"num_depths": 3, "draft_vocab_size": 64}})
+    shuffled, _, _ = drafter_for_target(tiny_target, other.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="draft vocabulary differs"):
+        load_initial_weights(shuffled, source)
+    with pytest.raises(FileNotFoundError, match="training.init_from must be an exported drafter"):
+        load_initial_weights(peagle, tmp_path)

@@ -62,7 +62,8 @@ def train_and_measure(cfg: PeagleConfig, train: list[dict], validation: list[dic
     inputs = check_inputs(cfg)
     tcfg = cfg.training
     drafter, teacher, _ = drafter_for_target(inputs["info"].path, cfg.drafter, read_token_counts(cfg.data.output_dir),
-                                             len(inputs["aux_layer_ids"]), torch.Generator().manual_seed(tcfg.seed))  # fmt: skip
+                                             len(inputs["aux_layer_ids"]), torch.Generator().manual_seed(tcfg.seed),
+                                             init_from=tcfg.init_from)  # fmt: skip
     optimizer, scheduler = make_optimizer(drafter, tcfg)
     generator = torch.Generator().manual_seed(tcfg.seed + 1)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)

@@ -98,8 +98,10 @@ def build_drafter(target_dir: Path, arch: DrafterArch, d2t: torch.Tensor, t2d: t
 
 
 def drafter_for_target(target_dir: Path, drafter_cfg: DrafterConfig, token_counts: torch.Tensor | None,
-                       num_aux: int, generator: torch.Generator, tokenizer=None) -> tuple[Drafter, Teacher, MaskToken | None]:  # fmt: skip
-    """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights.
+                       num_aux: int, generator: torch.Generator, tokenizer=None,
+                       init_from: str | None = None) -> tuple[Drafter, Teacher, MaskToken | None]:  # fmt: skip
+    """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights
+    (then another drafter's, when `init_from` names one: training.init_from).
 
     `tokenizer` defaults to the target's; when the mask token has to be added it is added to this object.
     """
@@ -114,5 +116,30 @@ def drafter_for_target(target_dir: Path, drafter_cfg: DrafterConfig, token_count
     d2t, t2d = draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
     arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
     drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator)
+    if init_from is not None:
+        load_initial_weights(drafter, init_from)
     drafter.lm_head.weight.requires_grad_(not drafter_cfg.freeze_lm_head)
     return drafter, teacher, mask
+
+
+def load_initial_weights(drafter: Drafter, source: str | Path) -> list[str]:
+    """Copy the tensors of an exported drafter (model.safetensors) or a training checkpoint
+    (drafter.safetensors) that match `drafter`'s names and sizes; returns the names copied. The draft
+    vocabularies (d2t) must be equal: the head rows would mean other tokens otherwise."""
+    from safetensors.torch import load_file
+
+    source = Path(source)
+    files = [source / name for name in ("model.safetensors", "drafter.safetensors") if (source / name).is_file()]
+    if not files:
+        raise FileNotFoundError(f"training.init_from must be an exported drafter or a checkpoint directory (with "
+                                f"model.safetensors or drafter.safetensors); got {source}")  # fmt: skip
+    weights = load_file(str(files[0]))
+    own = drafter.state_dict()
+    if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):
+        raise ValueError(f"training.init_from = {source}: its draft vocabulary differs from this run's "
+                         "(train both on the same data.output_dir and drafter.draft_vocab_size)")  # fmt: skip
+    copied = [name for name, t in weights.items() if name in own and t.numel() == own[name].numel()]
+    with torch.no_grad():
+        for name in copied:
+            own[name].copy_(weights[name].reshape(own[name].shape))
+    return copied

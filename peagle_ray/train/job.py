@@ -184,7 +184,8 @@ def train_worker(plan: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     counts = load_file(plan["token_counts"])["counts"]
     drafter, teacher, _ = drafter_for_target(Path(plan["target_dir"]), cfg.drafter, counts, len(plan["aux_layer_ids"]),
-                                             torch.Generator().manual_seed(cfg.training.seed))  # fmt: skip
+                                             torch.Generator().manual_seed(cfg.training.seed),
+                                             init_from=cfg.training.init_from)  # fmt: skip
     device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(cfg.training.cpus_per_worker)  # whatever OMP_NUM_THREADS the process inherited
@@ -300,6 +301,10 @@ def check_inputs(cfg: PeagleConfig) -> dict:
         if not captured:
             raise ValueError(f"capture.mode is offline but capture.output_dir = {cfg.capture.output_dir} holds no "
                              "training records; run `peagle-ray data capture`")  # fmt: skip
+    init_from = cfg.training.init_from
+    if init_from and not any((Path(init_from) / f).is_file() for f in ("model.safetensors", CHECKPOINT_WEIGHTS)):
+        raise FileNotFoundError(f"training.init_from = {init_from} is not an exported drafter or a checkpoint "
+                                f"directory (model.safetensors or {CHECKPOINT_WEIGHTS})")  # fmt: skip
     aux = cfg.capture.aux_layer_ids or info.default_aux_layer_ids()
     return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
 

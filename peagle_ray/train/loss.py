@@ -57,14 +57,14 @@ class _ChunkedKL(torch.autograd.Function):
             xr = x[rows]
             draft_logits = (xr @ weight.T).to(acc)  # (c, DV)
             log_q = torch.log_softmax(draft_logits, -1)
-            kl[rows] = neg_entropy[of_row] - (p * log_q).sum(-1)
+            kl[rows] = (neg_entropy[of_row] - (p * log_q).sum(-1)).to(acc)
             correct[rows] = draft_logits.argmax(-1) == target_logits.argmax(-1)[of_row]
             w = element_weights[rows].to(acc)
             total += (kl[rows] * w).sum()
             g = ((log_q.exp() - p) * w[:, None]).to(x.dtype)  # d total / d draft_logits, (c, DV)
-            grad_x[rows] = g @ weight
+            grad_x[rows] = (g @ weight).to(grad_x.dtype)  # autocast may hand back bfloat16
             if grad_w is not None:
-                grad_w += g.T @ xr
+                grad_w += (g.T @ xr).to(grad_w.dtype)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.mark_non_differentiable(kl, correct)
         return total, kl, correct

@@ -8,6 +8,7 @@ the sum of segment losses and gradients is exactly the unpartitioned step's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -156,6 +157,13 @@ def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: t
     return elements, None
 
 
+def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Generator) -> TrainSequence:
+    """`seq` with uniform noise in +-scale x std(hidden) added to its aux hidden states (the drafter's input
+    features; the teacher's hidden states, which define the labels, stay exact)."""
+    noise = (torch.rand(seq.hidden.shape, generator=generator) * 2 - 1) * (scale * seq.hidden.std())
+    return dataclasses.replace(seq, hidden=seq.hidden + noise.to(seq.hidden.dtype))
+
+
 def make_optimizer(drafter: Drafter, cfg: TrainingConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over trainable parameters; linear warm-up then cosine decay to 0 at max_steps."""
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -182,6 +190,8 @@ def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequenc
     optimizer.zero_grad(set_to_none=True)
     stats = StepStats()
     for seq in sequences:
+        if cfg.feature_noise:
+            seq = with_feature_noise(seq, cfg.feature_noise, generator)
         elements, dense = sample_elements(seq, drafter_cfg, generator, amortized)
         stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.segment_length, cfg.depth_weights,
                                     scale=1.0 / len(sequences), dense_mask=dense,

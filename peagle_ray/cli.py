@@ -213,7 +213,7 @@ def _cmd_bench_train_memory(args: argparse.Namespace) -> int:
 
     result = train_memory.run(tuple(args.seq_lens), tuple(args.depths), args.segment_length, args.draft_vocab_size,
                               args.memory_limit_gb, progress=lambda line: print(line, file=sys.stderr),
-                              freeze_lm_head=args.freeze_lm_head)  # fmt: skip
+                              freeze_lm_head=args.freeze_lm_head, bf16=args.bf16)  # fmt: skip
     _write_json(result, args.json)
     return 0
 
@@ -301,6 +301,7 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     memory.add_argument("--draft-vocab-size", type=int, default=32768)
     memory.add_argument("--memory-limit-gb", type=float, default=18.0, help="Stop a configuration past this RSS.")
     memory.add_argument("--freeze-lm-head", action="store_true", help="Measure with the draft lm_head frozen.")
+    memory.add_argument("--bf16", action="store_true", help="Measure under bfloat16 autocast (training.precision).")
     memory.set_defaults(func=_cmd_bench_train_memory)
     masks = kinds.add_parser("mask", help="Attention-mask time per step: amortized (built once, sliced) vs rebuilt.")
     masks.add_argument("--max-positions", type=int, nargs="+", default=[1024, 2048, 4096])

@@ -5,7 +5,8 @@ The drafter has the SmolLM2 shape (H=576, 1 layer, draft vocabulary 32768, float
 positions of random hidden states, every position supervised, COD 0.7 / 0.2. tokens/s counts base
 positions (N) per second of the second step (the first warms up). A configuration whose process passes
 `memory_limit_gb` is stopped and reported as such rather than taking the machine down. `freeze_lm_head`
-measures the step with the draft lm_head frozen (drafter.freeze_lm_head), as the reference trainer has it.
+measures the step with the draft lm_head frozen (drafter.freeze_lm_head), as the reference trainer has it;
+`bf16` under bfloat16 autocast (training.precision; CPUs with AMX run bf16 GEMMs ~4x faster than fp32).
 
 Each row also carries `reference_tokens_per_s`: the speculators 0.9 P-EAGLE trainer (patched to run on CPU
 with SDPA) on the same shape, as measured once on this machine kind (2 cores; issue 11) - quoted, not re-run
@@ -35,7 +36,7 @@ REFERENCE_TOKENS_PER_S = {(1024, 4): 364.0, (1024, 8): 278.0, (2048, 4): 329.0, 
 
 
 def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, draft_vocab_size: int,
-             freeze_lm_head: bool = False) -> dict:  # fmt: skip
+             freeze_lm_head: bool = False, bf16: bool = False) -> dict:  # fmt: skip
     """Run in the child process: two steps, report the second's time and the process's peak RSS."""
     arch = bench_arch("peagle", depths, draft_vocab_size)
     drafter, teacher = random_drafter(arch)
@@ -52,7 +53,8 @@ def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, 
         elements = cod_sample(seq.supervised, seq.doc_ids, depths, cfg.cod_keep_ratio, cfg.cod_min_ratio, g)
         drafter.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        stats = sequence_backward(drafter, teacher, seq, elements, segment_length if partitioned else UNPARTITIONED, None)
+        stats = sequence_backward(drafter, teacher, seq, elements, segment_length if partitioned else UNPARTITIONED, None,
+                                  bf16=bf16)  # fmt: skip
         timings.append(time.perf_counter() - start)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seq_len": seq_len, "depths": depths, "partitioned": partitioned, "elements": stats.elements,
@@ -82,13 +84,13 @@ def _run_child(args: list[str], memory_limit_gb: float) -> dict:
 
 
 def run(seq_lens=(1024, 2048, 4096, 8192), depths=(4, 8), segment_length: int = 2048, draft_vocab_size: int = 32768,
-        memory_limit_gb: float = 18.0, progress=print, freeze_lm_head: bool = False) -> dict:  # fmt: skip
+        memory_limit_gb: float = 18.0, progress=print, freeze_lm_head: bool = False, bf16: bool = False) -> dict:  # fmt: skip
     rows = []
     for n in seq_lens:
         for k in depths:
             for partitioned in (True, False):
                 args = [str(n), str(k), str(int(partitioned)), str(segment_length), str(draft_vocab_size),
-                        str(int(freeze_lm_head))]  # fmt: skip
+                        str(int(freeze_lm_head)), str(int(bf16))]  # fmt: skip
                 row = {"seq_len": n, "depths": k, "partitioned": partitioned, **_run_child(args, memory_limit_gb)}
                 reference = REFERENCE_TOKENS_PER_S.get((n, k), "not measured") if draft_vocab_size == 32768 else "not measured"
                 row["reference_tokens_per_s"] = reference
@@ -97,9 +99,9 @@ def run(seq_lens=(1024, 2048, 4096, 8192), depths=(4, 8), segment_length: int = 
                 progress(json.dumps(row))
                 rows.append(row)
     return {"hidden_size": 576, "layers": 1, "draft_vocab_size": draft_vocab_size, "segment_length": segment_length,
-            "freeze_lm_head": freeze_lm_head, "rows": rows}  # fmt: skip
+            "freeze_lm_head": freeze_lm_head, "precision": "bfloat16" if bf16 else "float32", "rows": rows}  # fmt: skip
 
 
 if __name__ == "__main__":
-    n, k, part, seg, dv, frozen = (int(a) for a in sys.argv[1:7])
-    print(json.dumps(one_step(n, k, bool(part), seg, dv, bool(frozen))))
+    n, k, part, seg, dv, frozen, bf16 = (int(a) for a in sys.argv[1:8])
+    print(json.dumps(one_step(n, k, bool(part), seg, dv, bool(frozen), bool(bf16))))

@@ -15,6 +15,10 @@ def test_train_memory_reports_every_configuration():
     assert rows[0]["elements"] == rows[1]["elements"]  # same seeded COD sampling
     assert all(r["peak_rss_mb"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[0]["reference_tokens_per_s"] == "not measured" and "vs_reference" not in rows[0]
+    fast = train_memory.run(seq_lens=(48,), depths=(3,), segment_length=40, draft_vocab_size=256,
+                            progress=lambda _line: None, freeze_lm_head=True, bf16=True)  # fmt: skip
+    assert fast["precision"] == "bfloat16" and fast["freeze_lm_head"] and all("error" not in r for r in fast["rows"])
+    assert [r["elements"] for r in fast["rows"]] == [r["elements"] for r in rows]
 
 
 def test_bench_train_measures_one_and_two_workers(tiny_target, ray_local):

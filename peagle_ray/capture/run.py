@@ -104,7 +104,8 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
     if cfg.data.regenerate and session is None:
         raise ValueError("data.regenerate is true but no target session was given")
     regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate else None
-    writer = prompt_writer(session.handle, cfg, tokenizer) if session is not None else None
+    magpie = any(is_magpie(s) for s in cfg.data.sources)
+    writer = prompt_writer(session.handle, cfg, tokenizer) if magpie and session is not None else None
     conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer)
     samples = prepare_samples(conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4)
     with tqdm(desc="prepare", unit="sample") as bar:

@@ -68,8 +68,9 @@ def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[l
 
 
 def prompt_writer(handle, cfg: PeagleConfig, tokenizer) -> PromptWriter:
-    """Magpie: the target completes its chat template's user-turn prefix, n requests at a time (each with
-    its own seed, so reruns write the same prompts); returns (decoded prompt, stopped before the limit)."""
+    """Magpie: the target completes its chat template's user-turn prefix, n requests at a time, each with its
+    own seed (data.seed + request number; a rerun matches only up to vLLM's batch-dependent numerics, which
+    move sampled text); returns (decoded prompt, stopped before the limit)."""
     prefix, limit, asked = magpie_prefix(tokenizer), cfg.data.magpie_max_tokens, [0]
 
     def write(n: int) -> list[tuple[str, bool] | None]:

@@ -402,6 +402,14 @@ def with_values(cfg: PeagleConfig, values: dict[str, Any]) -> PeagleConfig:
     return build_config(data)
 
 
+def with_overrides(cfg: PeagleConfig, overrides: list[str]) -> PeagleConfig:
+    """A validated copy of `cfg` with `section.field=value` overrides (values parsed as YAML) applied."""
+    data = cfg.model_dump(mode="json")
+    for override in overrides:
+        _apply_override(data, override)
+    return build_config(data)
+
+
 def _apply_override(data: dict[str, Any], override: str) -> None:
     """Apply `section.field=value` (value parsed as YAML) to a nested dict in place."""
     key, sep, raw = override.partition("=")

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import yaml
 
-from peagle_ray.config import PeagleConfig, with_values
+from peagle_ray.config import PeagleConfig, with_overrides, with_values
 
 Progress = Callable[[str], None]
 
@@ -124,8 +123,7 @@ def ablation(cfg: PeagleConfig, variants: dict[str, list[str]], steps: int, max_
     result = {"steps": steps, "baseline": next(iter(variants)), "train_records": len(train),
               "validation_records": len(validation), "variants": {}}  # fmt: skip
     for name, overrides in variants.items():
-        values = {key: yaml.safe_load(value) for key, _, value in (o.partition("=") for o in overrides)}
-        variant = with_values(cfg, {**values, "training.max_steps": steps})
+        variant = with_values(with_overrides(cfg, overrides), {"training.max_steps": steps})
         (row,) = train_and_measure(variant, train, validation, [steps], progress=progress)
         result["variants"][name] = {"overrides": overrides, **row}
     baseline = result["variants"][result["baseline"]]["val_acceptance_length"]

@@ -14,7 +14,8 @@ from peagle_ray.capture.pipeline import (
     validate_capture,
 )
 from peagle_ray.capture.reference import hf_hidden_states
-from peagle_ray.capture.run import prompt_writer, run_capture_offline, run_prepare, target_session
+from peagle_ray.capture.run import (prompt_writer, run_capture_offline, run_prepare, samples_to_capture,
+                                   target_session)
 from peagle_ray.config import build_config
 from peagle_ray.data.prepare import BadRows, TokenizedSample, read_prepared
 
@@ -85,7 +86,9 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
     bad = BadRows()
     online = {r["sample_id"]: r for r in iter_records(
         capture_dataset(samples, s.num_layers_captured, s.info.hidden_size, 4, 1).iter_rows(), bad)}  # fmt: skip
+    assert len(samples_to_capture(cfg)[0]) == len(PROMPTS)
     first = run_capture_offline(cfg, s, shard_size=4)
+    assert samples_to_capture(cfg) == ([], {x.sample_id for x in samples})  # what the demo checks before capture
     offline = {r["sample_id"]: r for r in read_offline(cfg.capture.output_dir)}
     assert first["captured"] == len(PROMPTS) and bad.total() == 0
     assert online.keys() == offline.keys() == {x.sample_id for x in samples}

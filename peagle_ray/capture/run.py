@@ -122,11 +122,16 @@ def prepared_samples(cfg: PeagleConfig) -> list[TokenizedSample]:
     return read_prepared(out, "train") + read_prepared(out, "validation")
 
 
+def samples_to_capture(cfg: PeagleConfig) -> tuple[list, set]:
+    """(prepared samples not yet in capture.output_dir, sample ids already there)."""
+    done = done_sample_ids(Path(cfg.capture.output_dir))
+    return [s for s in prepared_samples(cfg) if s.sample_id not in done], done
+
+
 def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: int = 64) -> dict:
     """Capture every prepared sample not yet in capture.output_dir into safetensors shards."""
     out = Path(cfg.capture.output_dir)
-    done = done_sample_ids(out)
-    todo = [s for s in prepared_samples(cfg) if s.sample_id not in done]
+    todo, done = samples_to_capture(cfg)
     print(f"[capture] {len(todo)} samples to capture ({len(done)} already in {out})")
     bad, start, written = BadRows(), time.monotonic(), 0
     if todo:

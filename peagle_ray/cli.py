@@ -204,7 +204,8 @@ def _cmd_bench_draft_latency(args: argparse.Namespace) -> int:
     from peagle_ray.bench import draft_latency
 
     vocab = None if args.draft_vocab_size == 0 else args.draft_vocab_size
-    _write_json(draft_latency.run(vocab, args.max_k, args.context, args.repeats, args.target), args.json)
+    _write_json(draft_latency.run(vocab, args.max_k, args.context, args.repeats, args.target, args.num_layers),
+                args.json)
     return 0
 
 
@@ -292,6 +293,7 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     latency.add_argument("--context", type=int, default=256, help="Positions already in the drafter's KV cache.")
     latency.add_argument("--repeats", type=int, default=30)
     latency.add_argument("--target", type=Path, help="Take the drafter's shape from this target (default: SmolLM2's).")
+    latency.add_argument("--num-layers", type=int, default=1, help="Drafter decoder layers (drafter.num_layers).")
     latency.set_defaults(func=_cmd_bench_draft_latency)
     memory = kinds.add_parser("train-memory", help="Peak RSS and tokens/s of one training step, with and without "
                                                    "sequence partitioning, each in a fresh subprocess.")  # fmt: skip
@@ -395,9 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
             _add_bench_commands(sub)
         elif name == "demo":
             sub.description = (help_text + " Starts a local Ray cluster and MLflow server, prepares the target, "
-                               "builds data from the built-in suite (responses regenerated), trains P-EAGLE on "
-                               "streamed capture and the EAGLE-3 baseline on the same data, evaluates, exports, "
-                               "and serves the P-EAGLE drafter until Ctrl-C. `make demo` uses configs/demo.yaml.")  # fmt: skip
+                               "prepares data.sources, trains P-EAGLE on the capture (streamed, or written once "
+                               "with capture.mode: offline) and the EAGLE-3 baseline on the same data, evaluates on "
+                               "eval.suite, exports, and serves the P-EAGLE drafter until Ctrl-C. Rerunning resumes. "
+                               "`make demo` uses configs/demo.yaml; configs/cpu-full.yaml is the best CPU recipe.")  # fmt: skip
             _add_config_args(sub)
             sub.add_argument("--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget).")
             sub.add_argument("--no-wait", action="store_true", help="Stop everything after printing the results "

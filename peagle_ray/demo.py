@@ -2,15 +2,17 @@
 
     local Ray cluster + local MLflow server
     -> target (embedded SmolLM2, converted once)               `peagle-ray target prepare`
-    -> data from the built-in suite, responses regenerated     `peagle-ray data prepare`
-    -> P-EAGLE trained on capture streamed into Ray Train      `peagle-ray train`
+    -> data.sources (demo: built-in suite, regenerated)        `peagle-ray data prepare`
+    -> offline capture only (capture.mode: offline)            `peagle-ray data capture`
+    -> P-EAGLE trained on the capture in Ray Train             `peagle-ray train`
     -> the EAGLE-3 baseline on the same data and budget        `peagle-ray train --set drafter.algorithm=eagle3`
     -> evaluation sweep, recommended K into each drafter       `peagle-ray eval`
     -> the REST endpoint with the P-EAGLE drafter              `peagle-ray serve`
 
 Every stage is the same code its own command runs. The budget is the config's (configs/demo.yaml fits
 ~40 minutes on 2 cores); `--scale N` multiplies the training steps. Ctrl-C stops the endpoint, Ray and
-MLflow. Stages whose output already exists (target, prepared data) are reused.
+MLflow. Stages whose output already exists (target, prepared data, captured shards, finished training)
+are reused, so rerunning an interrupted run resumes it (configs/cpu-full.yaml relies on it).
 """
 
 from __future__ import annotations

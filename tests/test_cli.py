@@ -39,10 +39,10 @@ def test_bench_mask_writes_json(tmp_path):
 def test_bench_draft_latency_writes_json(tmp_path, tiny_target):
     out = tmp_path / "latency.json"
     result = run_cli("bench", "draft-latency", "--target", str(tiny_target), "--draft-vocab-size", "0",
-                     "--max-k", "3", "--repeats", "3", "--context", "16", "--json", str(out))  # fmt: skip
+                     "--max-k", "3", "--repeats", "3", "--context", "16", "--num-layers", "2", "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    assert data["hidden_size"] == 96 and data["layers"] == 1
+    assert data["hidden_size"] == 96 and data["layers"] == 2
     assert set(data["ms"]) == {"peagle", "eagle3"} and list(data["ms"]["peagle"]) == ["1", "2", "3"]
 
 

@@ -20,8 +20,8 @@ from peagle_ray.drafter.model import DraftCache
 
 
 def proposal_ms(algorithm: str, k: int, draft_vocab_size: int | None, context: int, repeats: int,
-                target: Path | None, dtype: torch.dtype) -> float:  # fmt: skip
-    arch = bench_arch(algorithm, k, draft_vocab_size, target=target)
+                target: Path | None, dtype: torch.dtype, num_layers: int = 1) -> float:  # fmt: skip
+    arch = bench_arch(algorithm, k, draft_vocab_size, num_layers, target)
     drafter, _ = random_drafter(arch)
     drafter.to(dtype).eval()
     g = torch.Generator().manual_seed(0)
@@ -39,12 +39,12 @@ def proposal_ms(algorithm: str, k: int, draft_vocab_size: int | None, context: i
 
 
 def run(draft_vocab_size: int | None = 32768, max_k: int = 8, context: int = 256, repeats: int = 30,
-        target: Path | None = None) -> dict:  # fmt: skip
-    arch = bench_arch("peagle", 1, draft_vocab_size, target=target)
+        target: Path | None = None, num_layers: int = 1) -> dict:  # fmt: skip
+    arch = bench_arch("peagle", 1, draft_vocab_size, num_layers, target)
     result = {"hidden_size": arch.hidden_size, "layers": arch.num_layers, "draft_vocab_size": arch.draft_vocab_size,
               "context": context, "threads": torch.get_num_threads(), "dtype": "bfloat16"}  # fmt: skip
     for key, dtype in (("ms", torch.bfloat16), ("ms_float32", torch.float32)):
-        ms = {a: {str(k): round(proposal_ms(a, k, draft_vocab_size, context, repeats, target, dtype), 3)
+        ms = {a: {str(k): round(proposal_ms(a, k, draft_vocab_size, context, repeats, target, dtype, num_layers), 3)
                   for k in range(1, max_k + 1)} for a in ("peagle", "eagle3")}  # fmt: skip
         result[key] = ms
         result[f"ratio_k{max_k}_over_k1" + key.removeprefix("ms")] = {a: round(ms[a][str(max_k)] / ms[a]["1"], 3) for a in ms}

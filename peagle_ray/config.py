@@ -241,6 +241,10 @@ class TrainingConfig(_Section):
     validate_every: int = Field(default=50, gt=0)
     """Run validation every this many steps."""
 
+    validation_records: int | None = Field(default=None, gt=0)
+    """Most validation records measured each time (the first N by sample id); None measures all. Greedy
+    replay runs one draft forward per accepted step, several seconds per long record on a small CPU."""
+
     seed: int = 0
     """Seed of every generator used in training (COD sampling, init, data order)."""
 

@@ -9,10 +9,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.capture.run import prepare_and_capture
-from peagle_ray.config import build_config
+from peagle_ray.config import TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
 from peagle_ray.tracking import local_mlflow_server
-from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training
+from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training, validation_subset
 
 PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
            "Explain recursion briefly.", "Translate 'good morning' into French.", "What is 12 times 7?",
@@ -84,10 +84,16 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
 
 def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, tiny_target):
     summary = run_training(config(workdir, tiny_target, run_name="crash", max_steps=6, crash_once_at_step=3,
-                                  max_failures=1))  # fmt: skip
+                                  max_failures=1, validation_records=1))  # fmt: skip
     assert (workdir / "train" / "crash.crashed").read_text() == "crashed at step 3"
     assert history(summary, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(summary, "val/acceptance_length") == [1, 3, 5]
+
+
+def test_validation_measures_the_first_records_by_sample_id():
+    rows = [{"sample_id": s} for s in ["c", "a", "d", "b"]]  # the read order of Ray Data is not fixed
+    assert [r["sample_id"] for r in validation_subset(rows, TrainingConfig(validation_records=2))] == ["a", "b"]
+    assert [r["sample_id"] for r in validation_subset(rows, TrainingConfig())] == ["a", "b", "c", "d"]
 
 
 def test_local_mlflow_server_starts_answers_and_stops(tmp_path):

@@ -102,6 +102,12 @@ def broadcast_from_rank0(value: dict, world: int) -> dict:
     return value
 
 
+def validation_subset(rows, tcfg) -> list[dict]:
+    """The validation records measured: in sample-id order (the read order is not fixed), the first
+    training.validation_records of them."""
+    return sorted(rows, key=lambda r: r["sample_id"])[: tcfg.validation_records]
+
+
 def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator) -> dict[str, float]:
     """Per-depth accuracy and loss on validation records, and offline greedy acceptance per position."""
     drafter.eval()
@@ -200,7 +206,7 @@ def train_worker(plan: dict) -> None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
     buffer = MetricsBuffer(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricsBuffer(None, None)
-    validation = list(ray.train.get_dataset_shard("validation").iter_rows()) if rank == 0 else []
+    validation = validation_subset(ray.train.get_dataset_shard("validation").iter_rows(), tcfg) if rank == 0 else []
     records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
     tcfg, k = cfg.training, cfg.drafter.trained_depths
 
@@ -318,11 +324,14 @@ def offline_datasets(cfg: PeagleConfig):
     out = Path(cfg.capture.output_dir).resolve()
     files = [{"path": str(out / shard["file"]), "splits": shard["splits"], "ids": shard["sample_ids"]}
              for shard in read_manifest(out)["shards"]]  # fmt: skip
-    shards = ray.data.from_items(files)
 
     def dataset(split: str):
-        # num_cpus=0: reading a shard is light, and on a small machine the train workers hold every CPU
-        return shards.flat_map(lambda item: [r for r in read_shard(item) if r["split"] == split], num_cpus=0)
+        # Only the shards holding this split. num_cpus=0: reading a shard is light, and on a small machine the
+        # train workers hold every CPU; so reads are capped at one per worker instead (a shard is ~200 MB at
+        # SmolLM2's width: uncapped, every shard is read at once, filling the object store before step 1).
+        shards = ray.data.from_items([f for f in files if split in f["splits"]])
+        return shards.flat_map(lambda item: [r for r in read_shard(item) if r["split"] == split], num_cpus=0,
+                               compute=ray.data.TaskPoolStrategy(size=cfg.training.num_workers))  # fmt: skip
 
     return dataset("train"), dataset("validation")
 

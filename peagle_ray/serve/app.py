@@ -266,7 +266,13 @@ def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None
 
 
 def stop_endpoint() -> None:
-    serve.delete(APP_NAME)
+    """Delete the endpoint's application; nothing to do where Serve never started (a run that failed early)."""
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.delete(APP_NAME)
+    except RayServeException:
+        pass
 
 
 def default_drafter_dir(cfg: PeagleConfig) -> Path:

@@ -206,7 +206,7 @@ def train_worker(plan: dict) -> None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
     buffer = MetricsBuffer(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricsBuffer(None, None)
-    validation = validation_subset(ray.train.get_dataset_shard("validation").iter_rows(), tcfg) if rank == 0 else []
+    validation = validation_subset(ray.train.get_dataset_shard("validation").iter_rows(), cfg.training) if rank == 0 else []
     records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
     tcfg, k = cfg.training, cfg.drafter.trained_depths
 

@@ -11,7 +11,9 @@ from peagle_ray.capture.pipeline import (
     capture_dataset,
     iter_records,
     read_offline,
+    read_split,
     validate_capture,
+    write_offline,
 )
 from peagle_ray.capture.reference import hf_hidden_states
 from peagle_ray.capture.run import (prompt_writer, run_capture_offline, run_prepare, samples_to_capture,
@@ -99,6 +101,24 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
             torch.testing.assert_close(offline[sample_id][key], record[key], atol=1e-4, rtol=1e-4)
     again = run_capture_offline(cfg, s, shard_size=4)
     assert (again["captured"], again["skipped_done"]) == (0, len(PROMPTS))
+
+
+def test_each_rank_reads_an_equal_disjoint_share_of_a_split(tmp_path):
+    def record(i):
+        n = 3 + i
+        return {"sample_id": f"s{i:02d}", "split": "validation" if i % 4 == 0 else "train",
+                "input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
+                "aux_hidden": torch.full((n, 6), float(i)), "last_hidden": torch.full((n, 2), float(i))}  # fmt: skip
+
+    write_offline((record(i) for i in range(11)), tmp_path, shard_size=3)  # 4 shards, 8 train, 3 validation
+    written = {r["sample_id"]: r for r in read_offline(tmp_path)}
+    train = [i for i in written if written[i]["split"] == "train"]
+    shares = [[r["sample_id"] for r in read_split(tmp_path, "train", rank, 3)] for rank in range(3)]
+    assert shares == [train[0:6:3], train[1:6:3], train[2:6:3]]  # 8 // 3 = 2 each; the remainder is left out
+    assert [r["sample_id"] for r in read_split(tmp_path, "validation")] == ["s00", "s04", "s08"]
+    for r in read_split(tmp_path, "train"):
+        for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            assert torch.equal(r[key], written[r["sample_id"]][key])
 
 
 def test_a_failed_capture_is_one_counted_row(session):

@@ -14,6 +14,7 @@ dropped by the consumer, so nothing stops the run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peagle_ray.capture.target_server import APP_NAME
@@ -179,6 +181,21 @@ def read_shard(item: dict) -> list[dict]:
     return [{"sample_id": sample_id, "split": split,
              **{k: tensors[f"{i}.{k}"] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}
             for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"]))]  # fmt: skip
+
+
+def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iterator[dict]:
+    """One rank's records of a split, read lazily shard by shard: every world-th record of the split, the same
+    number on every rank (a remainder of fewer than `world` records is left out, so every rank's data ends
+    at the same step)."""
+    out_dir = Path(out_dir)
+    entries = [(shard["file"], i, sample_id) for shard in read_manifest(out_dir)["shards"]
+               for i, (sample_id, s) in enumerate(zip(shard["sample_ids"], shard["splits"])) if s == split]  # fmt: skip
+    mine = entries[rank::world][: len(entries) // world]
+    for file, group in itertools.groupby(mine, key=lambda entry: entry[0]):
+        with safe_open(str(out_dir / file), framework="pt") as f:
+            for _, i, sample_id in group:
+                yield {"sample_id": sample_id, "split": split,
+                       **{k: f.get_tensor(f"{i}.{k}") for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}
 
 
 def read_offline(out_dir: Path) -> Iterator[dict]:

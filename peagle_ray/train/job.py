@@ -1,8 +1,9 @@
 """The distributed training job: Ray Train workers on the captured-record stream, MLflow, checkpoints.
 
 Driver (`run_training`): validates inputs before any worker starts, opens (or starts) MLflow and finds the
-run for training.run_name, builds the record datasets (offline shards, or online capture through the
-Serve-hosted target), runs a TorchTrainer, then exports the best checkpoint and logs artifacts.
+run for training.run_name, runs a TorchTrainer on the records (online: Ray Datasets of the capture through
+the Serve-hosted target; offline: each worker reads its share of the shards itself, since Ray Data's
+executor would spin a core waiting on the workers), then exports the best checkpoint and logs artifacts.
 
 Worker (`train_worker`): builds the drafter (same seed on every rank), resumes from Ray Train's latest
 checkpoint if there is one, and loops: sequences_per_step records -> `sequence_backward` (COD, masks,
@@ -185,6 +186,8 @@ def train_worker(plan: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    from peagle_ray.capture.pipeline import read_split
+
     cfg = PeagleConfig.model_validate(plan["config"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -206,8 +209,14 @@ def train_worker(plan: dict) -> None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
     buffer = MetricsBuffer(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricsBuffer(None, None)
-    validation = validation_subset(ray.train.get_dataset_shard("validation").iter_rows(), cfg.training) if rank == 0 else []
-    records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
+    if plan["offline_dir"]:  # each rank reads its share of the shards itself: no Ray Data executor to feed
+        shards = Path(plan["offline_dir"])
+        validation_rows = read_split(shards, "validation") if rank == 0 else []
+        records = (r for _ in range(cfg.training.epochs) for r in read_split(shards, "train", rank, world))
+    else:
+        validation_rows = ray.train.get_dataset_shard("validation").iter_rows() if rank == 0 else []
+        records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
+    validation = validation_subset(validation_rows, cfg.training)
     tcfg, k = cfg.training, cfg.drafter.trained_depths
 
     for step in range(state["step"], tcfg.max_steps):
@@ -315,27 +324,6 @@ def check_inputs(cfg: PeagleConfig) -> dict:
     return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
 
 
-def offline_datasets(cfg: PeagleConfig):
-    """(train, validation) Ray Datasets read from the offline shards, one shard file per read task."""
-    import ray
-
-    from peagle_ray.capture.pipeline import read_manifest, read_shard
-
-    out = Path(cfg.capture.output_dir).resolve()
-    files = [{"path": str(out / shard["file"]), "splits": shard["splits"], "ids": shard["sample_ids"]}
-             for shard in read_manifest(out)["shards"]]  # fmt: skip
-
-    def dataset(split: str):
-        # Only the shards holding this split. num_cpus=0: reading a shard is light, and on a small machine the
-        # train workers hold every CPU; so reads are capped at one per worker instead (a shard is ~200 MB at
-        # SmolLM2's width: uncapped, every shard is read at once, filling the object store before step 1).
-        shards = ray.data.from_items([f for f in files if split in f["splits"]])
-        return shards.flat_map(lambda item: [r for r in read_shard(item) if r["split"] == split], num_cpus=0,
-                               compute=ray.data.TaskPoolStrategy(size=cfg.training.num_workers))  # fmt: skip
-
-    return dataset("train"), dataset("validation")
-
-
 def load_drafter_from_checkpoint(directory: Path):
     """The drafter saved in a training checkpoint directory."""
     from peagle_ray.drafter.model import Drafter, DrafterArch
@@ -365,7 +353,8 @@ def acceptance_plot(metrics: dict, path: Path, title: str) -> Path:
     return path
 
 
-def _fit(cfg: PeagleConfig, plan: dict, train_ds, val_ds):
+def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
+    """Run the TorchTrainer; online capture passes its Ray Datasets, offline workers read the shards."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -381,7 +370,7 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds, val_ds):
             checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val/acceptance_length",
                                                checkpoint_score_order="max"),  # fmt: skip
         ),
-        datasets={"train": train_ds, "validation": val_ds},
+        datasets={"train": train_ds, "validation": val_ds} if train_ds is not None else None,
         dataset_config=DataConfig(datasets_to_split=["train"]),
     )
     # fit() installs a SIGINT handler (Ctrl-C aborts the run) and leaves it installed; put ours back so that
@@ -415,11 +404,12 @@ def run_training(cfg: PeagleConfig) -> dict:
         plan = {"config": cfg.model_dump(mode="json"), "target_dir": str(inputs["info"].path),
                 "aux_layer_ids": inputs["aux_layer_ids"], "token_counts": inputs["token_counts"],
                 "tracking_uri": uri, "run_id": run_id, "storage_path": str(storage),
-                "crash_marker": str(storage / f"{cfg.training.run_name}.crashed")}  # fmt: skip
+                "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
+                "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None}  # fmt: skip
         progress = mlflow_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
         if cfg.capture.mode == "offline":
             with progress:
-                result = _fit(cfg, plan, *offline_datasets(cfg))
+                result = _fit(cfg, plan)
         else:
             with target_session(cfg) as session:
                 samples = prepared_samples(cfg)

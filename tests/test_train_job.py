@@ -8,6 +8,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from peagle_ray.capture.pipeline import read_manifest
 from peagle_ray.capture.run import prepare_and_capture
 from peagle_ray.config import TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
@@ -88,6 +89,19 @@ def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, 
     assert (workdir / "train" / "crash.crashed").read_text() == "crashed at step 3"
     assert history(summary, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(summary, "val/acceptance_length") == [1, 3, 5]
+
+
+def test_the_step_where_the_data_runs_out_is_validated_and_checkpointed(workdir, tiny_target):
+    # 2 workers, 1 sequence a step, 1 epoch: the data ends long before max_steps, on a step that is not a
+    # validate_every step; its metrics and checkpoint must not be lost (only validate_every steps flushed them)
+    splits = [s for shard in read_manifest(workdir / "hidden")["shards"] for s in shard["splits"]]
+    steps = splits.count("train") // 2
+    assert steps % 3 != 0  # the last step is not a validation step by itself
+    summary = run_training(config(workdir, tiny_target, run_name="epoch-end", max_steps=50, epochs=1, validate_every=3))
+    assert history(summary, "train/loss") == list(range(steps))
+    assert history(summary, "val/acceptance_length") == [*range(2, steps - 1, 3), steps - 1]
+    states = [json.loads(p.read_text())["step"] for p in (workdir / "train" / "epoch-end").glob("checkpoint_*/state.json")]
+    assert max(states) == steps  # the checkpoint after the last step: a resumed run starts past the data's end
 
 
 def test_validation_measures_the_first_records_by_sample_id():

@@ -51,6 +51,12 @@ def to_sequence(record: dict) -> TrainSequence:
                                      t("aux_hidden", torch.float32), t("last_hidden", torch.float32))  # fmt: skip
 
 
+def full_batches(records: Iterator[dict], size: int) -> Iterator[list[TrainSequence]]:
+    """Consecutive batches of `size` training sequences; a short tail is dropped."""
+    while len(batch := [to_sequence(r) for r in itertools.islice(records, size)]) == size:
+        yield batch
+
+
 def cycle_records(shard, epochs: int) -> Iterator[dict]:
     """Rows of a dataset shard, epoch after epoch (each epoch re-streams; online mode re-captures)."""
     for _ in range(epochs):
@@ -219,13 +225,15 @@ def train_worker(plan: dict) -> None:
     validation = validation_subset(validation_rows, cfg.training)
     tcfg, k = cfg.training, cfg.drafter.trained_depths
 
+    batches = full_batches(records, tcfg.sequences_per_step)
+    batch = next(batches, None)
     for step in range(state["step"], tcfg.max_steps):
+        if batch is None:
+            break  # data exhausted (epochs done); equal shares end every rank together
         if tcfg.crash_once_at_step == step and rank == min(1, world - 1) and not Path(plan["crash_marker"]).exists():
             Path(plan["crash_marker"]).write_text(f"crashed at step {step}")
             raise RuntimeError(f"injected failure at step {step} (training.crash_once_at_step)")
-        batch = [to_sequence(r) for r in itertools.islice(records, tcfg.sequences_per_step)]
-        if len(batch) < tcfg.sequences_per_step:
-            break  # data exhausted (epochs done) on this rank; equal splits end every rank together
+        next_batch = next(batches, None)  # read ahead: the step before the data runs out is a last step too
         started = time.perf_counter()
         stats = train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, tcfg, generator,
                            reduce_grads=lambda grads: all_reduce_mean(grads, world))  # fmt: skip
@@ -237,7 +245,8 @@ def train_worker(plan: dict) -> None:
         if step % tcfg.log_every == 0:
             buffer.add(step, metrics)
 
-        last = step == tcfg.max_steps - 1
+        last = step == tcfg.max_steps - 1 or next_batch is None
+        batch = next_batch
         if (step + 1) % tcfg.validate_every == 0 or last:
             val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed)) if rank == 0 else {}
             val = broadcast_from_rank0(val, world)  # every rank reports the same metrics (checkpoint scoring)

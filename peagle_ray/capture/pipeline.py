@@ -137,6 +137,9 @@ def iter_records(rows: Iterable[dict], bad: BadRows, total: int | None = None, d
 # ---- offline shards ----------------------------------------------------------------------------------
 
 
+SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # per record, saved as "<i>.<name>"
+
+
 def read_manifest(out_dir: Path) -> dict:
     path = Path(out_dir) / MANIFEST
     return json.loads(path.read_text()) if path.is_file() else {"shards": []}
@@ -150,7 +153,7 @@ def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
     index = len(manifest["shards"])
     name = f"shard-{index:05d}.safetensors"
     tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records)
-               for key in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}  # fmt: skip
+               for key in SHARD_TENSORS}  # fmt: skip
     save_file(tensors, str(out_dir / name))
     manifest["shards"].append({"file": name, "sample_ids": [r["sample_id"] for r in records],
                                "splits": [r["split"] for r in records]})  # fmt: skip
@@ -179,7 +182,7 @@ def read_shard(item: dict) -> list[dict]:
     """Records of one shard: item = {"path", "ids", "splits"} (a manifest entry with its full path)."""
     tensors = load_file(item["path"])
     return [{"sample_id": sample_id, "split": split,
-             **{k: tensors[f"{i}.{k}"] for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}
+             **{k: tensors[f"{i}.{k}"] for k in SHARD_TENSORS}}
             for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"]))]  # fmt: skip
 
 
@@ -195,7 +198,7 @@ def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iter
         with safe_open(str(out_dir / file), framework="pt") as f:
             for _, i, sample_id in group:
                 yield {"sample_id": sample_id, "split": split,
-                       **{k: f.get_tensor(f"{i}.{k}") for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}}
+                       **{k: f.get_tensor(f"{i}.{k}") for k in SHARD_TENSORS}}
 
 
 def read_offline(out_dir: Path) -> Iterator[dict]:

@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"invalid config:\n{err}", file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
+    except (FileNotFoundError, PermissionError, NotADirectoryError) as err:
         print(f"peagle-ray {args.command}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

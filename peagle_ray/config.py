@@ -82,6 +82,9 @@ class DataConfig(_Section):
     magpie_max_tokens: int = Field(default=128, gt=0)
     """Most tokens of one Magpie prompt; a prompt still going at this limit is dropped as degenerate."""
 
+    max_row_bytes: int = Field(default=1 << 20, gt=0)
+    """Longest input row (a JSONL line, or a row's text) read; longer rows are skipped as `too_large`."""
+
     max_length: int = Field(default=1024, gt=0)
     """Token length each conversation is truncated to after the chat template is applied."""
 

@@ -75,10 +75,12 @@ def test_every_bad_row_kind_is_counted_and_skipped(tmp_path, tokenizer):
     bad = BadRows()
     samples = list(prepare_samples(read_conversations([str(source)], 0.0, bad), tokenizer, 64, bad))
     assert len(samples) == 2
-    assert bad.counts == Counter(invalid_json=2, empty=2, unknown_role=2, no_assistant_turn=1, over_length=1)
-    assert bad.examples["unknown_role"] == ["chats.jsonl:4", "chats.jsonl:5"]
-    assert bad.report() == ("bad rows: 8 skipped (invalid_json 2, empty 2, unknown_role 2, no_assistant_turn 1, "
-                            "over_length 1)")  # fmt: skip
+    assert bad.counts == Counter(invalid_json=1, unknown_shape=1, empty=2, unknown_role=2, no_assistant_turn=1,
+                                 over_length=1)  # fmt: skip
+    assert bad.examples["unknown_role"] == ["chats.jsonl:4: messages[0].role = 'wizard'",
+                                            "chats.jsonl:5: conversations[0].from = 'alien'"]  # fmt: skip
+    assert bad.report() == ("bad rows: 8 skipped (invalid_json 1, unknown_shape 1, unknown_role 2, empty 2, "
+                            "no_assistant_turn 1, over_length 1)")  # fmt: skip
 
 
 def test_txt_prompts_and_saved_datasets_are_read(tmp_path):

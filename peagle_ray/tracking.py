@@ -2,6 +2,8 @@
 
     with tracking_uri(cfg, work_dir) as uri:       # cfg.tracking.tracking_uri, or a local server for the run
         run_id = find_or_create_run(uri, cfg)       # same run name -> same MLflow run (resume)
+        with run_status(uri, run_id):               # RUNNING, then FINISHED / FAILED / KILLED
+            log_training_data(uri, run_id, cfg)     # the prepared data as the run's dataset input
 
 The local server uses a sqlite backend and a local artifact store under `work_dir`, binds to loopback, and
 is stopped when the block ends.
@@ -9,6 +11,8 @@ is stopped when the block ends.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -101,6 +105,49 @@ def find_or_create_run(uri: str, cfg: PeagleConfig, work_dir: Path) -> tuple[str
     params = flatten("", cfg.model_dump(mode="json"))
     client.log_batch(run.info.run_id, params=[_param(k, v) for k, v in params.items()])
     return run.info.run_id, True
+
+
+@contextmanager
+def run_status(uri: str, run_id: str):
+    """The run shows RUNNING inside the block (a resumed run too) and ends FINISHED, FAILED (an exception) or
+    KILLED (Ctrl-C / SIGTERM: KeyboardInterrupt), with its end time, so the UI shows status and duration."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    client.update_run(run_id, status="RUNNING")
+    try:
+        yield
+    except KeyboardInterrupt:
+        client.set_terminated(run_id, "KILLED")
+        raise
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+
+
+def log_training_data(uri: str, run_id: str, cfg: PeagleConfig) -> None:
+    """The prepared data (data.output_dir) as the run's MLflow dataset input (context "training"): source,
+    digest of the prepared files, and a profile with row, token and bad-row counts from summary.json."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.tracking import MlflowClient
+
+    out = Path(cfg.data.output_dir).resolve()
+    summary = json.loads((out / "summary.json").read_text())
+    digest = hashlib.sha256()
+    for split in ("train", "validation"):
+        if (out / f"{split}.jsonl").is_file():
+            with (out / f"{split}.jsonl").open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    rows = summary.get("samples", {})
+    profile = {"num_rows": sum(rows.values()), "train_rows": rows.get("train", 0),
+               "validation_rows": rows.get("validation", 0), "tokens": summary.get("tokens"),
+               "bad_rows": sum(summary.get("bad_rows", {}).values()), "bad_rows_by_reason": summary.get("bad_rows", {})}  # fmt: skip
+    dataset = Dataset(name="+".join(cfg.data.sources)[:200], digest=digest.hexdigest()[:16], source_type="local",
+                      source=json.dumps({"uri": out.as_uri(), "sources": cfg.data.sources}),
+                      profile=json.dumps(profile))  # fmt: skip
+    MlflowClient(uri).log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])])
 
 
 def _param(key: str, value: str):

@@ -13,6 +13,18 @@ PYTHON=${PYTHON:-python3.11}
 STAMP="$VENV/.peagle-ray-setup"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$EXTRA
 
+# Headless Chromium (Debian's package) for the tests that look at the MLflow UI as a user does.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium with apt-get (the MLflow UI tests render pages in it) ..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq chromium >/dev/null \
+      || { echo "setup: apt-get install chromium failed" >&2; exit 1; }
+  else
+    echo "setup: chromium is missing: install it (sudo apt-get install chromium) for the MLflow UI tests" >&2
+  fi
+fi
+
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/peagle-ray" ]; then
   echo "setup: $VENV is up to date"
   exit 0

@@ -1,6 +1,7 @@
 """Evaluation arithmetic on literal engine outputs (the engines themselves run in the demo smoke test)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,11 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     run = client.get_run(trained)
     assert run.data.tags["eval.recommended_k"] == "2" and run.data.metrics["eval/acceptance_length"] == 2.0
     assert [m.step for m in client.get_metric_history(trained, "eval/tokens_per_s")] == [3, 3]
+    by_position = client.get_metric_history(trained, "eval/acceptance_by_position_k3")  # the UI draws it over position
+    assert sorted({(m.step, m.value) for m in by_position}) == [(i + 1, r) for i, r in enumerate(rows["overall"]["acceptance_per_position"])]
+    assert client.get_run(first["eagle3"]).info.status == "FINISHED"
+    assert client.get_run(trained).info.status == "RUNNING"  # the training run's status is the training job's
+    table = json.loads(Path(client.download_artifacts(trained, "eval/acceptance_per_position.json", str(tmp_path))).read_text())
+    assert table["columns"] == ["sweep", "k", "position", "acceptance"]
+    assert [row[1:3] for row in table["data"]] == [[3, 1], [3, 2], [3, 3]] * 2  # each sweep's rows, stamped
+    assert "eval/acceptance_per_position.json" in client.get_run(trained).data.tags["mlflow.loggedArtifacts"]

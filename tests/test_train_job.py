@@ -4,16 +4,18 @@ resume, recovery from a worker crash, export. Real Ray, real vLLM capture, real 
 import json
 import signal
 import time
+from contextlib import nullcontext
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.capture.pipeline import read_manifest
 from peagle_ray.capture.run import prepare_and_capture
-from peagle_ray.config import TrainingConfig, build_config
+from peagle_ray.config import ConfigError, TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
-from peagle_ray.tracking import local_mlflow_server
+from peagle_ray.tracking import local_mlflow_server, run_status
 from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training, validation_subset
+from tests.helpers.browser import render_dom
 
 PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
            "Explain recursion briefly.", "Translate 'good morning' into French.", "What is 12 times 7?",
@@ -55,6 +57,24 @@ def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
     (tmp_path / "data" / "token_counts.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="has no training samples"):
         run_training(cfg)
+    (tmp_path / "data" / "summary.json").write_text(json.dumps({"samples": {"train": 5}}))
+    with pytest.raises(ConfigError, match=r"has no validation samples .* Raise data.validation_fraction \(now 0.3\)"):
+        run_training(cfg)
+
+
+def test_run_status_ends_finished_failed_or_killed(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'status.db'}")
+    experiment = client.create_experiment("status")
+    for raised, status in [(None, "FINISHED"), (RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")]:
+        run_id = client.create_run(experiment).info.run_id
+        client.set_terminated(run_id, "FINISHED")  # a resumed run shows RUNNING again while it runs
+        with pytest.raises(type(raised)) if raised else nullcontext():
+            with run_status(client.tracking_uri, run_id):
+                assert client.get_run(run_id).info.status == "RUNNING"
+                if raised:
+                    raise raised
+        info = client.get_run(run_id).info
+        assert info.status == status and info.end_time is not None
 
 
 def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_target):
@@ -70,7 +90,15 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
     client = MlflowClient(first["tracking_uri"])
     artifacts = {a.path for a in client.list_artifacts(first["run_id"])}
     assert {"config.yaml", "provenance.json", "acceptance.png", "drafter"} <= artifacts
-    assert client.get_run(first["run_id"]).data.params["drafter.num_depths"] == str(K)
+    run = client.get_run(first["run_id"])
+    assert run.data.params["drafter.num_depths"] == str(K)
+    assert run.info.status == "FINISHED" and run.info.end_time >= run.info.start_time
+    [dataset] = run.inputs.dataset_inputs
+    profile = json.loads(dataset.dataset.profile)
+    prepared = json.loads((workdir / "data" / "summary.json").read_text())
+    assert profile["train_rows"] == prepared["samples"]["train"] > 0 and profile["tokens"] == prepared["tokens"]
+    assert profile["bad_rows"] == sum(prepared["bad_rows"].values())
+    assert dataset.tags[0].value == "training" and str(workdir / "prompts.txt") in dataset.dataset.source
     assert json.loads((workdir / "train/e2e/export/config.json").read_text())["speculators_model_type"] == "peagle"
 
     # re-running the same run name resumes at the next step, in the same MLflow run
@@ -78,9 +106,18 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
     assert second["run_id"] == first["run_id"]
     assert history(second, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(second, "val/acceptance_length") == [1, 3, 5]
+    assert client.get_run(first["run_id"]).info.status == "FINISHED"
 
     exported = export_checkpoint(second["checkpoint"], workdir / "standalone-export")
     assert (exported / "model.safetensors").is_file()
+
+    # what a user sees in the MLflow UI (headless Chromium against a server on the same store)
+    with local_mlflow_server(workdir, free_port()) as ui:
+        page = f"{ui}/#/experiments/{run.info.experiment_id}/runs/{first['run_id']}"
+        overview = render_dom(page)
+        assert "Finished" in overview and dataset.dataset.digest in overview
+        charts = render_dom(page + "/model-metrics")
+        assert charts.count("js-plotly-plot") >= 2 and "val (" in charts and "train (" in charts
 
 
 def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, tiny_target):
@@ -89,6 +126,16 @@ def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, 
     assert (workdir / "train" / "crash.crashed").read_text() == "crashed at step 3"
     assert history(summary, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(summary, "val/acceptance_length") == [1, 3, 5]
+
+
+def test_a_run_that_fails_ends_failed_in_mlflow(workdir, tiny_target):
+    cfg = config(workdir, tiny_target, run_name="fails", max_steps=4, crash_once_at_step=1, max_failures=0)
+    with pytest.raises(Exception, match="injected failure at step 1"):
+        run_training(cfg)
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                               filter_string="tags.`peagle.run_name` = 'fails'")  # fmt: skip
+    assert run.info.status == "FAILED" and run.info.end_time is not None
 
 
 def test_the_step_where_the_data_runs_out_is_validated_and_checkpointed(workdir, tiny_target):

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from peagle_ray import stopping
 from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_records, write_offline
 from peagle_ray.capture.target_server import start_target_server, stop_target_server
 from peagle_ray.config import PeagleConfig
@@ -34,6 +35,7 @@ def ensure_ray() -> None:
 
     if not ray.is_initialized():
         ray.init(address="auto" if _ray_address() else None, log_to_driver=False)
+        stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)
 
 
 def _ray_address() -> str | None:

@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -208,8 +209,9 @@ def format_table(results: dict) -> str:
 
 
 def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path) -> dict[str, str]:
-    """eval/* metrics (step = K), plots and the `eval.recommended_k` tag into each drafter's training run (from
-    its provenance), else a run named eval-<algorithm>. Returns {algorithm: run_id}. A tag, not a param:
+    """eval/* metrics (AL, tokens/s, speedup at step = K; acceptance at step = position, one metric per K,
+    and as the table eval/acceptance_per_position.json), plots and the `eval.recommended_k` tag into each
+    drafter's training run (from its provenance), else a run named eval-<algorithm> that ends FINISHED. Returns {algorithm: run_id}. A tag, not a param:
     params are immutable, and a later sweep (e.g. the full one after the demo's) may recommend another K."""
     from mlflow.tracking import MlflowClient
 
@@ -222,24 +224,33 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
     plots = [plot_tokens_per_s(results, work_dir / "eval_tokens_per_s_vs_k.png"),
              plot_acceptance(results, work_dir / "eval_acceptance_per_position.png")]  # fmt: skip
     (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
-    runs = {}
+    runs, sweep = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
     for algorithm in ALGORITHMS:
         if algorithm not in results:
             continue
         provenance_file = Path(drafters[algorithm]) / PROVENANCE
         run_id = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
-        if run_id is None or not _run_exists(client, run_id):  # no provenance, or trained against another store
+        own_run = run_id is None or not _run_exists(client, run_id)  # no provenance, or trained in another store
+        if own_run:
             run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": f"eval-{algorithm}"}), work_dir)
+            client.update_run(run_id, status="RUNNING")
+        table = {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep's rows
         for k, rows in results[algorithm]["by_k"].items():
             overall = rows["overall"]
             metrics = {"eval/acceptance_length": overall["acceptance_length"], "eval/tokens_per_s": overall["tokens_per_s"],
                        "eval/speedup_vs_target": overall["speedup"] or 0.0}  # fmt: skip
-            metrics.update({f"eval/acceptance_pos_{i + 1}": r for i, r in enumerate(overall["acceptance_per_position"])})
-            for name, value in metrics.items():
+            for name, value in metrics.items():  # these against K
                 client.log_metric(run_id, name, value, step=int(k))
+            for position, rate in enumerate(overall["acceptance_per_position"], start=1):  # one curve per K
+                client.log_metric(run_id, f"eval/acceptance_by_position_k{int(k)}", rate, step=position)
+                for column, value in zip(table, (sweep, int(k), position, rate)):
+                    table[column].append(value)
+        client.log_table(run_id, table, "eval/acceptance_per_position.json")
         client.set_tag(run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
         for path in [*plots, work_dir / "eval.json"]:
             client.log_artifact(run_id, str(path), artifact_path="eval")
+        if own_run:
+            client.set_terminated(run_id, "FINISHED")
         runs[algorithm] = run_id
     return runs
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.eval.offline import Acceptance, replay_greedy
 from peagle_ray.train.elements import TrainSequence
@@ -318,12 +318,16 @@ def check_inputs(cfg: PeagleConfig) -> dict:
         raise FileNotFoundError(f"data.output_dir = {data_dir} has no prepared data; run `peagle-ray data prepare`")
     samples = json.loads(summary_file.read_text())["samples"]
     if not samples.get("train"):
-        raise ValueError(f"data.output_dir = {data_dir} has no training samples (summary: {samples}); nothing to train on")
+        raise ConfigError(f"data.output_dir = {data_dir} has no training samples (summary: {samples}); nothing to train on")
+    if not samples.get("validation"):
+        raise ConfigError(f"data.output_dir = {data_dir} has no validation samples (summary: {samples}): checkpoints "
+                          f"are chosen by validation AL. Raise data.validation_fraction (now "
+                          f"{cfg.data.validation_fraction}) above 0 and run `peagle-ray data prepare` again")  # fmt: skip
     if cfg.capture.mode == "offline":
         manifest = read_manifest(Path(cfg.capture.output_dir))
         captured = sum(split == "train" for shard in manifest["shards"] for split in shard["splits"])
         if not captured:
-            raise ValueError(f"capture.mode is offline but capture.output_dir = {cfg.capture.output_dir} holds no "
+            raise ConfigError(f"capture.mode is offline but capture.output_dir = {cfg.capture.output_dir} holds no "
                              "training records; run `peagle-ray data capture`")  # fmt: skip
     init_from = cfg.training.init_from
     if init_from and not any((Path(init_from) / f).is_file() for f in ("model.safetensors", CHECKPOINT_WEIGHTS)):
@@ -331,6 +335,12 @@ def check_inputs(cfg: PeagleConfig) -> dict:
                                 f"directory (model.safetensors or {CHECKPOINT_WEIGHTS})")  # fmt: skip
     aux = cfg.capture.aux_layer_ids or info.default_aux_layer_ids()
     return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
+
+
+def _score(metrics: dict) -> float:
+    """A checkpoint's validation AL; a missing or NaN one never wins."""
+    value = metrics.get("val/acceptance_length", float("nan"))
+    return -math.inf if math.isnan(value) else value
 
 
 def load_drafter_from_checkpoint(directory: Path):
@@ -401,7 +411,7 @@ def run_training(cfg: PeagleConfig) -> dict:
     from peagle_ray.capture.run import ensure_ray, prepared_samples, target_session
     from peagle_ray.data.prepare import BadRows
     from peagle_ray.export.speculators import export_drafter, provenance
-    from peagle_ray.tracking import find_or_create_run, tracking_uri
+    from peagle_ray.tracking import find_or_create_run, log_training_data, run_status, tracking_uri
 
     inputs = check_inputs(cfg)
     storage = Path(cfg.training.storage_path).resolve()
@@ -410,36 +420,38 @@ def run_training(cfg: PeagleConfig) -> dict:
     with tracking_uri(cfg, storage / "mlflow") as uri:
         run_id, created = find_or_create_run(uri, cfg, storage / "mlflow")
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
-        plan = {"config": cfg.model_dump(mode="json"), "target_dir": str(inputs["info"].path),
-                "aux_layer_ids": inputs["aux_layer_ids"], "token_counts": inputs["token_counts"],
-                "tracking_uri": uri, "run_id": run_id, "storage_path": str(storage),
-                "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
-                "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None}  # fmt: skip
-        progress = mlflow_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
-        if cfg.capture.mode == "offline":
-            with progress:
-                result = _fit(cfg, plan)
-        else:
-            with target_session(cfg) as session:
-                samples = prepared_samples(cfg)
-                train = capture_dataset([s for s in samples if s.split == "train"], session.num_layers_captured,
-                                        session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
-                bad = BadRows()
-                val_rows = capture_dataset([s for s in samples if s.split == "validation"], session.num_layers_captured,
-                                           session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
-                validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
-                              for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")]  # fmt: skip
+        with run_status(uri, run_id):
+            log_training_data(uri, run_id, cfg)
+            plan = {"config": cfg.model_dump(mode="json"), "target_dir": str(inputs["info"].path),
+                    "aux_layer_ids": inputs["aux_layer_ids"], "token_counts": inputs["token_counts"],
+                    "tracking_uri": uri, "run_id": run_id, "storage_path": str(storage),
+                    "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
+                    "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None}  # fmt: skip
+            progress = mlflow_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
+            if cfg.capture.mode == "offline":
                 with progress:
-                    result = _fit(cfg, plan, train, ray.data.from_items(validation))
-        if result.error is not None:
-            raise result.error
-        best, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1].get("val/acceptance_length", -1))
-        with best.as_directory() as directory:
-            drafter = load_drafter_from_checkpoint(Path(directory))
-        export_dir = export_drafter(drafter, run_dir / "export", inputs["info"].path, inputs["aux_layer_ids"],
-                                    cfg.drafter.num_depths, cfg.target.max_model_len,
-                                    {"run_id": run_id, "best_step": best_metrics.get("step")})  # fmt: skip
-        _log_artifacts(uri, run_id, cfg, run_dir, export_dir, best_metrics, provenance())
+                    result = _fit(cfg, plan)
+            else:
+                with target_session(cfg) as session:
+                    samples = prepared_samples(cfg)
+                    train = capture_dataset([s for s in samples if s.split == "train"], session.num_layers_captured,
+                                            session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+                    bad = BadRows()
+                    val_rows = capture_dataset([s for s in samples if s.split == "validation"], session.num_layers_captured,
+                                               session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+                    validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
+                                  for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")]  # fmt: skip
+                    with progress:
+                        result = _fit(cfg, plan, train, ray.data.from_items(validation))
+            if result.error is not None:
+                raise result.error
+            best, best_metrics = max(result.best_checkpoints, key=lambda cm: _score(cm[1]))
+            with best.as_directory() as directory:
+                drafter = load_drafter_from_checkpoint(Path(directory))
+            export_dir = export_drafter(drafter, run_dir / "export", inputs["info"].path, inputs["aux_layer_ids"],
+                                        cfg.drafter.num_depths, cfg.target.max_model_len,
+                                        {"run_id": run_id, "best_step": best_metrics.get("step")})  # fmt: skip
+            _log_artifacts(uri, run_id, cfg, run_dir, export_dir, best_metrics, provenance())
     summary = {"run_id": run_id, "tracking_uri": uri, "best_step": best_metrics.get("step"),
                "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
                "export_dir": str(export_dir), "checkpoint": best.path}  # fmt: skip

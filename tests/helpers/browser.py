@@ -1,0 +1,21 @@
+"""Headless Chromium (Debian's `chromium`, installed by scripts/setup.sh) rendering a page as a user sees it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "headless Chromium is missing: run `make setup` (apt-get install chromium)"
+    return path
+
+
+def render_dom(url: str, wait_ms: int = 20000) -> str:
+    """The page's DOM after its scripts ran for `wait_ms` of virtual time (the MLflow UI is a React app)."""
+    result = subprocess.run([chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                             f"--virtual-time-budget={wait_ms}", "--window-size=1400,1000", "--dump-dom", url],
+                            capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout

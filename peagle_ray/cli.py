@@ -86,13 +86,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from peagle_ray.capture.run import ensure_ray
-    from peagle_ray.serve.app import default_drafter_dir, start_endpoint, stop_endpoint
+    from peagle_ray.serve.app import default_drafter_dir, read_drafter, start_endpoint, stop_endpoint
     from peagle_ray.target import resolve_target_path
 
     cfg = _config(args)
     drafter = None if args.no_drafter else (args.drafter or default_drafter_dir(cfg))
+    target = resolve_target_path(cfg)
+    if drafter is not None:
+        read_drafter(drafter)  # a bad target or drafter path fails here, before Ray starts
     ensure_ray()
-    url = start_endpoint(cfg, resolve_target_path(cfg), drafter, args.num_speculative_tokens)
+    url = start_endpoint(cfg, target, drafter, args.num_speculative_tokens)
     print(endpoint_banner(url, cfg), flush=True)
     if args.detach:
         return 0

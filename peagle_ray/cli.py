@@ -465,6 +465,11 @@ def _ray_running() -> bool:
 def _stop_local_ray() -> None:
     """Shut down the Ray cluster this command started (a joined cluster is only disconnected from)."""
     if _ray_running():
+        if "ray.serve" in sys.modules:  # Serve replicas first, gracefully: a vLLM engine process outlives a kill
+            from ray.serve.context import _get_global_client
+
+            if _get_global_client(raise_if_no_controller_running=False) is not None:
+                sys.modules["ray.serve"].shutdown()
         sys.modules["ray"].shutdown()
 
 

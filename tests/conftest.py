@@ -24,4 +24,7 @@ def ray_local():
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
+    from ray import serve
+
+    serve.shutdown()  # replicas stop gracefully: their vLLM engine processes would outlive a killed actor
     ray.shutdown()

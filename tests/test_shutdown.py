@@ -33,28 +33,55 @@ def port_is_free(port: int) -> bool:
             return False
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_a_stop_signal_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path, signum):
-    port = free_port()
-    command = [sys.executable, "-m", "peagle_ray.cli", "serve", "--no-drafter", "--set", f"target.path={tiny_target}",
-               "--set", "target.max_model_len=256", "--set", "target.kv_cache_gib=1", "--set", f"serving.port={port}",
-               "--set", f"serving.log_dir={tmp_path / 'logs'}"]  # fmt: skip
-    log = (tmp_path / "serve.log").open("w+")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while "endpoint: http" not in (tmp_path / "serve.log").read_text():
-        assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the endpoint did not come up in 300 s"
+def start_and_wait(command: list[str], log_path, ready: str, timeout_s: float = 300) -> subprocess.Popen:
+    """Start a CLI command and wait until its output shows `ready`."""
+    log = log_path.open("w+")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while ready not in log_path.read_text():
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{ready!r} did not appear in {timeout_s:.0f} s"
         time.sleep(1)
-    parent = psutil.Process(server.pid)
+    return process
+
+
+def stop_and_check(process: subprocess.Popen, signum: int, log_path) -> None:
+    """Send `signum`; every descendant must end, every port they listened on be free, the exit say why."""
+    parent = psutil.Process(process.pid)
     children = parent.children(recursive=True)
     ports = listening_ports([parent, *children])
-    assert len(children) >= 3 and port in ports  # Ray's GCS, raylet, agents, the Serve replica ...
-
-    server.send_signal(signum)
-    assert server.wait(timeout=120) == 128 + signum
+    assert len(children) >= 3 and ports  # Ray's GCS, raylet, agents, the Serve replica, MLflow ...
+    process.send_signal(signum)
+    assert process.wait(timeout=120) == 128 + signum, log_path.read_text()[-3000:]
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [(p.pid, p.name()) for p in alive]
     assert all(port_is_free(p) for p in ports), sorted(p for p in ports if not port_is_free(p))
-    output = (tmp_path / "serve.log").read_text()
+    output = log_path.read_text()
     assert f"interrupted ({signal.Signals(signum).name})" in output and "Traceback" not in output
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "peagle_ray.cli", *args]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path, signum):
+    port = free_port()
+    server = start_and_wait(cli("serve", "--no-drafter", "--set", f"target.path={tiny_target}", "--set",
+                                "target.max_model_len=256", "--set", "target.kv_cache_gib=1", "--set",
+                                f"serving.port={port}", "--set", f"serving.log_dir={tmp_path / 'logs'}"),
+                            tmp_path / "serve.log", "endpoint: http")  # fmt: skip
+    assert port in listening_ports([psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)])
+    stop_and_check(server, signum, tmp_path / "serve.log")
+
+
+def test_sigterm_to_the_demo_mid_run_stops_mlflow_ray_and_the_target(tiny_target, tmp_path):
+    mlflow_port = free_port()
+    demo = start_and_wait(cli("demo", "--no-wait", "--set", f"target.path={tiny_target}", "--set",
+                              "target.max_model_len=256", "--set", "target.kv_cache_gib=1", "--set",
+                              f"tracking.port={mlflow_port}", "--set", f"training.storage_path={tmp_path / 'runs'}",
+                              "--set", f"data.output_dir={tmp_path / 'data'}", "--set", "data.max_new_tokens=64"),
+                          tmp_path / "demo.log", "Application 'peagle-target' is ready")  # fmt: skip
+    assert not port_is_free(mlflow_port)  # the local MLflow server is up
+    stop_and_check(demo, signal.SIGTERM, tmp_path / "demo.log")
+    assert "[demo] stopping" in (tmp_path / "demo.log").read_text()

@@ -123,3 +123,9 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     assert table["columns"] == ["sweep", "k", "position", "acceptance"]
     assert [row[1:3] for row in table["data"]] == [[3, 1], [3, 2], [3, 3]] * 2  # each sweep's rows, stamped
     assert "eval/acceptance_per_position.json" in client.get_run(trained).data.tags["mlflow.loggedArtifacts"]
+    # another suite gets its own section: it does not draw over the validation curves
+    results = {"target_only": {"overall": {"tokens_per_s": 10.0}}, "k_values": [3], "suite": "mt-bench",
+               "peagle": {"by_k": {3: rows}, "best": rows, "recommended_k": 3}, "greedy_mismatches": 0}  # fmt: skip
+    log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle}, tmp_path / "eval-mt")
+    assert len(client.get_metric_history(trained, "eval-mt-bench/acceptance_by_position_k3")) == 3
+    assert len(client.get_metric_history(trained, "eval/acceptance_by_position_k3")) == 6  # the two earlier sweeps

@@ -211,7 +211,9 @@ def format_table(results: dict) -> str:
 def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path) -> dict[str, str]:
     """eval/* metrics (AL, tokens/s, speedup at step = K; acceptance at step = position, one metric per K,
     and as the table eval/acceptance_per_position.json), plots and the `eval.recommended_k` tag into each
-    drafter's training run (from its provenance), else a run named eval-<algorithm> that ends FINISHED. Returns {algorithm: run_id}. A tag, not a param:
+    drafter's training run (from its provenance), else a run named eval-<algorithm> that ends FINISHED.
+    Suites other than the validation split log under their own prefix (eval-mt-bench/..., a section of its
+    own in the UI), so a MT-Bench sweep does not draw over the validation curves. Returns {algorithm: run_id}. A tag, not a param:
     params are immutable, and a later sweep (e.g. the full one after the demo's) may recommend another K."""
     from mlflow.tracking import MlflowClient
 
@@ -225,6 +227,8 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
              plot_acceptance(results, work_dir / "eval_acceptance_per_position.png")]  # fmt: skip
     (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
     runs, sweep = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
+    suite = results.get("suite", "validation")
+    prefix = "eval" if suite == "validation" else f"eval-{suite}"
     for algorithm in ALGORITHMS:
         if algorithm not in results:
             continue
@@ -237,18 +241,18 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
         table = {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep's rows
         for k, rows in results[algorithm]["by_k"].items():
             overall = rows["overall"]
-            metrics = {"eval/acceptance_length": overall["acceptance_length"], "eval/tokens_per_s": overall["tokens_per_s"],
-                       "eval/speedup_vs_target": overall["speedup"] or 0.0}  # fmt: skip
+            metrics = {f"{prefix}/acceptance_length": overall["acceptance_length"],
+                       f"{prefix}/tokens_per_s": overall["tokens_per_s"], f"{prefix}/speedup_vs_target": overall["speedup"] or 0.0}  # fmt: skip
             for name, value in metrics.items():  # these against K
                 client.log_metric(run_id, name, value, step=int(k))
             for position, rate in enumerate(overall["acceptance_per_position"], start=1):  # one curve per K
-                client.log_metric(run_id, f"eval/acceptance_by_position_k{int(k)}", rate, step=position)
+                client.log_metric(run_id, f"{prefix}/acceptance_by_position_k{int(k)}", rate, step=position)
                 for column, value in zip(table, (sweep, int(k), position, rate)):
                     table[column].append(value)
-        client.log_table(run_id, table, "eval/acceptance_per_position.json")
+        client.log_table(run_id, table, f"{prefix}/acceptance_per_position.json")
         client.set_tag(run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
         for path in [*plots, work_dir / "eval.json"]:
-            client.log_artifact(run_id, str(path), artifact_path="eval")
+            client.log_artifact(run_id, str(path), artifact_path=prefix)
         if own_run:
             client.set_terminated(run_id, "FINISHED")
         runs[algorithm] = run_id

@@ -143,7 +143,7 @@ def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from peagle_ray.eval.sweep import format_table, log_to_mlflow, run_eval
+    from peagle_ray.eval.sweep import eval_name, format_table, log_to_mlflow, run_eval
     from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 
@@ -154,7 +154,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(format_table(results), file=sys.stderr)
     storage = Path(cfg.training.storage_path)
     with tracking_uri(cfg, storage / "mlflow") as uri:
-        runs = log_to_mlflow(uri, cfg, results, drafters, storage / "eval")
+        runs = log_to_mlflow(uri, cfg, results, drafters, storage / eval_name(results["suite"]))
     print(f"[eval] logged to MLflow runs {runs} at {uri}", file=sys.stderr)
     return 0
 

@@ -38,7 +38,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
 
     from peagle_ray.capture.run import ensure_ray, prepare_and_capture, samples_to_capture
     from peagle_ray.cli import endpoint_banner
-    from peagle_ray.eval.sweep import format_table, log_to_mlflow, run_eval, run_name_for
+    from peagle_ray.eval.sweep import eval_name, format_table, log_to_mlflow, run_eval, run_name_for
     from peagle_ray.serve.app import start_endpoint, stop_endpoint
     from peagle_ray.target import prepare_embedded_target
     from peagle_ray.tracking import local_mlflow_server
@@ -76,9 +76,10 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
             drafters = {a: Path(s["export_dir"]) for a, s in summaries.items()}
             _stage(f"evaluate: target alone, EAGLE-3 and P-EAGLE at K = {cfg.eval.k_values}", started)
             results = run_eval(cfg, target, drafters)
-            (storage / "eval").mkdir(parents=True, exist_ok=True)
-            (storage / "eval" / "eval.json").write_text(json.dumps(results, indent=2))
-            log_to_mlflow(uri, cfg, results, drafters, storage / "eval")
+            work = storage / eval_name(results["suite"])
+            work.mkdir(parents=True, exist_ok=True)
+            (work / "eval.json").write_text(json.dumps(results, indent=2))
+            log_to_mlflow(uri, cfg, results, drafters, work)
             table = format_table(results)
             _stage("serve the P-EAGLE drafter", started)
             url = start_endpoint(cfg, target, drafters["peagle"])

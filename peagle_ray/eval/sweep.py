@@ -227,8 +227,7 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
              plot_acceptance(results, work_dir / "eval_acceptance_per_position.png")]  # fmt: skip
     (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
     runs, sweep = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
-    suite = results.get("suite", "validation")
-    prefix = "eval" if suite == "validation" else f"eval-{suite}"
+    prefix = eval_name(results.get("suite", "validation"))
     for algorithm in ALGORITHMS:
         if algorithm not in results:
             continue
@@ -257,6 +256,12 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
             client.set_terminated(run_id, "FINISHED")
         runs[algorithm] = run_id
     return runs
+
+
+def eval_name(suite: str) -> str:
+    """The MLflow metric prefix and the directory name of a suite's results: eval (the validation split),
+    eval-mt-bench, eval-humaneval. One suite's sweep never overwrites another's."""
+    return "eval" if suite == "validation" else f"eval-{suite}"
 
 
 def _run_exists(client, run_id: str) -> bool:

@@ -463,9 +463,13 @@ def _ray_running() -> bool:
 
 
 def _stop_local_ray() -> None:
-    """Shut down the Ray cluster this command started (a joined cluster is only disconnected from)."""
+    """Shut down the Ray cluster this command started. A joined cluster (RAY_ADDRESS, as under `ray job
+    submit` or `serve --detach`) keeps its Serve apps and is only disconnected from."""
+    import os
+
     if _ray_running():
-        if "ray.serve" in sys.modules:  # Serve replicas first, gracefully: a vLLM engine process outlives a kill
+        if "ray.serve" in sys.modules and not os.environ.get("RAY_ADDRESS"):  # replicas first, gracefully:
+            # a vLLM engine process outlives a killed replica
             from ray.serve.context import _get_global_client
 
             if _get_global_client(raise_if_no_controller_running=False) is not None:

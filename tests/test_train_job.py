@@ -15,7 +15,7 @@ from peagle_ray.config import ConfigError, TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
 from peagle_ray.tracking import local_mlflow_server, run_status
 from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training, validation_subset
-from tests.helpers.browser import render_dom
+from tests.helpers.browser import render_dom, render_until
 
 PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
            "Explain recursion briefly.", "Translate 'good morning' into French.", "What is 12 times 7?",
@@ -116,9 +116,9 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
         page = f"{ui}/#/experiments/{run.info.experiment_id}/runs/{first['run_id']}"
         overview = render_dom(page)
         assert "Finished" in overview and dataset.dataset.digest in overview
-        charts = render_dom(page + "/model-metrics")
-        assert ">val</div>" in charts and ">train</div>" in charts  # the metric sections, and charts drawn
-        assert charts.count("js-plotly-plot") >= 1  # (charts below the fold may be drawn only when scrolled to)
+        charts = render_until(page + "/model-metrics", ">val</div>", ">train</div>", "js-plotly-plot")
+        assert ">val</div>" in charts and ">train</div>" in charts  # the metric sections
+        assert "js-plotly-plot" in charts  # and charts drawn (those below the fold only once scrolled to)
 
 
 def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, tiny_target):

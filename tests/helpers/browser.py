@@ -19,3 +19,14 @@ def render_dom(url: str, wait_ms: int = 20000) -> str:
                             capture_output=True, text=True, timeout=180)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
+
+
+def render_until(url: str, *needles: str, budgets_ms: tuple[int, ...] = (20000, 40000, 80000)) -> str:
+    """The page's DOM once every needle is in it, rendering again with more virtual time while one is missing
+    (a loaded machine draws the MLflow UI's charts later); the last DOM if they never all appear."""
+    dom = ""
+    for budget in budgets_ms:
+        dom = render_dom(url, budget)
+        if all(needle in dom for needle in needles):
+            break
+    return dom

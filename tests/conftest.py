@@ -1,4 +1,10 @@
-"""Session-wide fixtures: the tiny random target is built once per test session."""
+"""Session-wide fixtures (the tiny random target is built once per test session) and the test tiers.
+
+Tiers (markers, registered in pyproject.toml): `ray` (a local Ray cluster: any test using `ray_local` gets it),
+`vllm` (starts a vLLM engine), `slow` (over a few seconds without either), `gpu` (needs CUDA; skipped without
+it). Every test with none of these is `unit`: `pytest -m unit` runs them all in well under a minute, and
+`make test` (CI) runs every tier.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,19 @@ import pytest
 from peagle_ray.tiny_target import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
+HEAVY_TIERS = ("ray", "vllm", "slow", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    import torch
+
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+        if not any(item.get_closest_marker(tier) for tier in HEAVY_TIERS):
+            item.add_marker(pytest.mark.unit)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these)"))
 
 
 @pytest.fixture(scope="session")

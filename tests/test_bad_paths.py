@@ -47,6 +47,7 @@ def test_every_unusable_target_directory_is_named(tmp_path, tiny_target):
             check_target_dir(Path(path))
 
 
+@pytest.mark.slow
 def test_data_prepare_with_a_missing_target_fails_naming_target_path(tmp_path):
     result, _ = cli("data", "prepare", "--set", f"target.path={tmp_path / 'nowhere'}", "--set", "data.regenerate=false",
                     "--set", f"data.output_dir={tmp_path / 'out'}")  # fmt: skip
@@ -54,6 +55,7 @@ def test_data_prepare_with_a_missing_target_fails_naming_target_path(tmp_path):
     assert f"target.path {tmp_path / 'nowhere'} does not exist" in result.stderr
 
 
+@pytest.mark.slow
 def test_serve_with_a_drafter_without_config_fails_before_ray_starts(tmp_path, tiny_target):
     (tmp_path / "drafter").mkdir()
     result, seconds = cli("serve", "--drafter", str(tmp_path / "drafter"), "--set", f"target.path={tiny_target}")

@@ -5,6 +5,7 @@ import pytest
 from peagle_ray.bench import train_memory
 
 
+@pytest.mark.slow
 def test_train_memory_reports_every_configuration():
     result = train_memory.run(seq_lens=(48,), depths=(3,), segment_length=40, draft_vocab_size=256,
                               progress=lambda _line: None)  # fmt: skip

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from peagle_ray.cli import SUBCOMMANDS, main
 
@@ -27,6 +28,7 @@ def test_bench_e2e_without_any_drafter_fails_clearly(tmp_path, capsys):
     assert "no drafter to benchmark" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_mask_writes_json(tmp_path):
     out = tmp_path / "mask.json"
     result = run_cli("bench", "mask", "--max-positions", "64", "128", "--steps", "3", "--json", str(out))
@@ -36,6 +38,7 @@ def test_bench_mask_writes_json(tmp_path):
     assert all(r["rebuilt_ms_per_step"] > 0 and r["amortized_ms_per_step"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_draft_latency_writes_json(tmp_path, tiny_target):
     out = tmp_path / "latency.json"
     result = run_cli("bench", "draft-latency", "--target", str(tiny_target), "--draft-vocab-size", "0",
@@ -51,6 +54,7 @@ def test_bad_config_exits_2_naming_the_field(capsys):
     assert "drafter.num_depths: Input should be greater than or equal to 1; got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_target_info_reads_the_tiny_target(tiny_target):
     result = run_cli("target", "info", str(tiny_target))
     assert result.returncode == 0, result.stderr
@@ -58,6 +62,7 @@ def test_target_info_reads_the_tiny_target(tiny_target):
     assert "default aux layers [2, 3, 5]" in result.stdout
 
 
+@pytest.mark.slow
 def test_target_info_on_a_non_model_dir_fails_clearly(tmp_path):
     result = run_cli("target", "info", str(tmp_path))
     assert result.returncode != 0

@@ -110,6 +110,7 @@ def test_text_parts_and_a_leading_system_turn_are_good_rows(tokenizer):
     assert any(mask)
 
 
+@pytest.mark.slow
 def test_data_prepare_cli_skips_every_bad_row_and_keeps_every_good_one(tmp_path, tiny_target):
     from datasets import Dataset
 
@@ -155,6 +156,7 @@ def test_data_prepare_cli_skips_every_bad_row_and_keeps_every_good_one(tmp_path,
     ("{tmp}/notes.csv", "has suffix '.csv'; expected a .jsonl/.json/.txt file"),
     ("{tmp}", "is a directory but not a saved data set"),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_a_source_that_cannot_be_read_fails_before_any_work(tmp_path, source, message):
     (tmp_path / "notes.csv").write_text("a,b\n")
     source = source.format(tmp=tmp_path)

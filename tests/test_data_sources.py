@@ -46,6 +46,7 @@ def test_first_exchange_keeps_system_first_human_turn_and_its_answer():
             first_exchange(row)
 
 
+@pytest.mark.slow
 def test_sharegpt_from_the_wheel_is_sampled_with_the_seed():
     first = list(sharegpt_conversations(12, seed=3, validation_fraction=0.25, bad=BadRows()))
     again = [c.sample_id for c in sharegpt_conversations(12, seed=3, validation_fraction=0.25, bad=BadRows())]
@@ -60,6 +61,7 @@ def test_sharegpt_from_the_wheel_is_sampled_with_the_seed():
     assert bad.counts["truncated"] == 1 and set(bad.counts) <= {"truncated", "empty", "unknown_role"}
 
 
+@pytest.mark.slow
 def test_sharegpt_source_through_read_conversations():
     bad = BadRows()
     conversations = list(read_conversations(["sharegpt:5", "builtin"], 0.0, bad, seed=1))

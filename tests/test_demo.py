@@ -5,11 +5,14 @@ import json
 import urllib.request
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.config import build_config
 from peagle_ray.demo import run_demo
 from peagle_ray.serve.app import free_port
+
+pytestmark = pytest.mark.vllm
 
 
 def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):

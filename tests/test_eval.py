@@ -89,6 +89,7 @@ def test_counters_sum_over_engines_and_stats_subtract():
     assert SpecStats(0).acceptance_length == 1.0 and SpecStats(4, 8, 6, [3, 3]).acceptance_per_position == [0.75, 0.75]
 
 
+@pytest.mark.slow
 def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_another_k(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -84,6 +84,7 @@ def vllm_decode(target, drafter_dir, parallel, prompts):
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+@pytest.mark.vllm
 def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(tiny_target, greedy_data, tmp_path, algorithm):
     train, held_out = greedy_data
     drafter = trained_drafter(tiny_target, train, algorithm)
@@ -112,6 +113,7 @@ def peaked_target(tmp_path_factory):
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+@pytest.mark.vllm
 def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm(peaked_target, tmp_path, algorithm):
     """The correctness guard: train to memorize 4 greedy sequences, serve with stock vLLM on their prompts.
     Every draft position must be accepted almost always (position 1 >= 0.9, each later position >= 0.8 of

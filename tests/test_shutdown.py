@@ -12,6 +12,8 @@ import pytest
 
 from peagle_ray.serve.app import free_port
 
+pytestmark = pytest.mark.vllm
+
 
 def listening_ports(processes: list[psutil.Process]) -> set[int]:
     ports = set()

@@ -24,6 +24,7 @@ def smollm2(tmp_path_factory):
 LONG_ANSWER = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
 
+@pytest.mark.vllm
 def test_converted_target_decodes_like_the_gguf(smollm2):
     cache, target = smollm2
     model, tokenizer = load_gguf_model(fetch_smollm2_gguf(cache))
@@ -33,6 +34,7 @@ def test_converted_target_decodes_like_the_gguf(smollm2):
     assert converted == from_gguf
 
 
+@pytest.mark.slow
 def test_converted_target_is_a_plain_llama_with_chat_template(smollm2):
     _, target = smollm2
     config = json.loads((target / "config.json").read_text())
@@ -55,6 +57,7 @@ def test_prepare_is_idempotent(smollm2):
     assert (target / MARKER).stat().st_mtime_ns == before  # not converted again
 
 
+@pytest.mark.slow
 def test_sampling_defaults_come_from_the_model_card_and_reach_vllm(smollm2):
     _, target = smollm2
     generation = json.loads((target / "generation_config.json").read_text())
@@ -86,6 +89,7 @@ def test_gguf_sampling_metadata_wins_over_the_model_card(tmp_path):
     assert source == "GGUF metadata of tiny.gguf"
 
 
+@pytest.mark.slow
 def test_a_cache_from_an_older_converter_is_converted_again(smollm2):
     cache, target = smollm2
     record = json.loads((target / MARKER).read_text())

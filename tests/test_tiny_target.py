@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
 from peagle_ray.engine import vllm_cpu_env
@@ -28,6 +29,7 @@ def test_tokenizer_round_trips_and_has_chat_template_and_mask(tiny_target):
     assert config["vocab_size"] > len(tokenizer)  # unused rows, as real targets have
 
 
+@pytest.mark.vllm
 def test_hf_and_vllm_greedy_decode_the_same_tokens(tiny_target):
     hf = [greedy_chat(tiny_target, messages, max_new_tokens=12) for messages in PROMPTS]
     result = subprocess.run(

@@ -62,6 +62,7 @@ def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
         run_training(cfg)
 
 
+@pytest.mark.slow
 def test_run_status_ends_finished_failed_or_killed(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'status.db'}")
     experiment = client.create_experiment("status")
@@ -158,6 +159,7 @@ def test_validation_measures_the_first_records_by_sample_id():
     assert [r["sample_id"] for r in validation_subset(rows, TrainingConfig())] == ["a", "b", "c", "d"]
 
 
+@pytest.mark.slow
 def test_local_mlflow_server_starts_answers_and_stops(tmp_path):
     import urllib.request
 
@@ -182,6 +184,7 @@ def test_online_mode_trains_while_the_target_captures(workdir, tiny_target, tmp_
     assert not (tmp_path / "never-written").exists()  # online: records are streamed, nothing stays on disk
 
 
+@pytest.mark.slow
 def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'progress.db'}")
     run_id = client.create_run(client.create_experiment("progress")).info.run_id

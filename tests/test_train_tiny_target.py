@@ -87,6 +87,7 @@ def test_a_few_steps_reduce_the_loss(tiny_target, records, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+@pytest.mark.slow
 def test_bfloat16_autocast_trains_and_tracks_float32(tiny_target, records, algorithm):
     """training.precision = bfloat16 (the GPU setting) runs the same step under autocast: the first loss is
     float32's within bf16 rounding, the loss falls, and weights and gradients stay float32."""

@@ -2,13 +2,25 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: setup test demo clean
+.PHONY: setup test unit lint format demo clean
 
 setup:
 	@bash scripts/setup.sh
 
-test: setup
+# Everything CI runs: the formatter check, the import-layering contracts (pyproject.toml), every test tier.
+test: setup lint
 	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The fast tier alone (pure functions, no Ray, vLLM or GPU): well under a minute.
+unit: setup
+	$(VENV)/bin/python -m pytest -q -m unit $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff format --check --quiet peagle_ray tests jobs scripts
+	$(VENV)/bin/lint-imports
+
+format: setup
+	$(VENV)/bin/ruff format peagle_ray tests jobs scripts
 
 demo: setup
 	$(VENV)/bin/peagle-ray demo --config configs/demo.yaml $(DEMO_ARGS)

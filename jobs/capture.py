@@ -1,6 +1,6 @@
 """Prepare data and capture hidden states on a Ray cluster (= `peagle-ray data capture --prepare`).
 
-    RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/capture.py --config configs/demo.yaml
+RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/capture.py --config configs/demo.yaml
 """
 
 import sys

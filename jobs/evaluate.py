@@ -1,6 +1,6 @@
 """Evaluate the trained drafters against the target alone (= `peagle-ray eval`).
 
-    RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/evaluate.py --config configs/demo.yaml --json /abs/eval.json
+RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/evaluate.py --config configs/demo.yaml --json /abs/eval.json
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Prepare training conversations on a Ray cluster (= `peagle-ray data prepare`).
 
-    RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/prepare_data.py --config configs/demo.yaml
+RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/prepare_data.py --config configs/demo.yaml
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Train a drafter on a Ray cluster (= `peagle-ray train`).
 
-    RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/train.py --config configs/demo.yaml
+RAY_AUTH_MODE=token ray job submit --working-dir . -- python jobs/train.py --config configs/demo.yaml
 """
 
 import sys

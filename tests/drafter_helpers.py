@@ -3,17 +3,29 @@
 import torch
 
 from peagle_ray.drafter.model import Drafter, DrafterArch
+from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.loss import Teacher
 
 VOCAB, DRAFT_VOCAB, HIDDEN, NUM_AUX = 37, 29, 24, 3
 
 
 def tiny_arch(algorithm: str = "peagle", num_layers: int = 1, num_depths: int = 3, **overrides) -> DrafterArch:
-    fields = dict(algorithm=algorithm, num_depths=num_depths, num_layers=num_layers, hidden_size=HIDDEN,
-                  intermediate_size=40, num_heads=3, num_kv_heads=1, head_dim=8, vocab_size=VOCAB,
-                  draft_vocab_size=DRAFT_VOCAB, num_aux=NUM_AUX, rope_theta=10000.0, rms_norm_eps=1e-6,
-                  mask_token_id=VOCAB - 1 if algorithm == "peagle" else None)  # fmt: skip
+    fields = dict(
+        algorithm=algorithm,
+        num_depths=num_depths,
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        intermediate_size=40,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=8,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        num_aux=NUM_AUX,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        mask_token_id=VOCAB - 1 if algorithm == "peagle" else None,
+    )
     fields.update(overrides)
     return DrafterArch(**fields)
 
@@ -36,8 +48,13 @@ def random_sequence(lengths: list[int], seed: int = 0, dtype=torch.float64, supe
     for i, t in enumerate(lengths):
         loss_mask = torch.zeros(t, dtype=torch.bool)
         loss_mask[supervised_from:] = True
-        docs.append(TrainSequence.from_record(
-            torch.randint(0, VOCAB - 1, (t,), generator=g), loss_mask,
-            torch.randn(t, NUM_AUX * HIDDEN, generator=g, dtype=dtype),
-            torch.randn(t, HIDDEN, generator=g, dtype=dtype), doc_id=i))  # fmt: skip
+        docs.append(
+            TrainSequence.from_record(
+                torch.randint(0, VOCAB - 1, (t,), generator=g),
+                loss_mask,
+                torch.randn(t, NUM_AUX * HIDDEN, generator=g, dtype=dtype),
+                torch.randn(t, HIDDEN, generator=g, dtype=dtype),
+                doc_id=i,
+            )
+        )
     return TrainSequence.pack(docs)

@@ -14,7 +14,9 @@ from peagle_ray.target import check_target_dir
 
 def cli(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "peagle_ray.cli", *args], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "peagle_ray.cli", *args], capture_output=True, text=True, timeout=120
+    )
     return result, time.monotonic() - started
 
 
@@ -30,12 +32,14 @@ def broken_targets(tmp_path, tiny_target) -> list[tuple[str, type, str]]:
     shutil.copytree(tiny_target, tmp_path / "no-tokenizer")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "no-tokenizer" / name).unlink(missing_ok=True)
-    return [(str(tmp_path / "missing"), FileNotFoundError, "does not exist; expected an HF model directory"),
-            (str(tmp_path / "file"), NotADirectoryError, "is a file, not a directory"),
-            (str(tmp_path / "empty"), FileNotFoundError, "has no config.json"),
-            (str(tmp_path / "bad-json"), ConfigError, "config.json cannot be read"),
-            (str(tmp_path / "no-weights"), FileNotFoundError, r"holds no \*\.safetensors weights"),
-            (str(tmp_path / "no-tokenizer"), FileNotFoundError, "has no tokenizer")]  # fmt: skip
+    return [
+        (str(tmp_path / "missing"), FileNotFoundError, "does not exist; expected an HF model directory"),
+        (str(tmp_path / "file"), NotADirectoryError, "is a file, not a directory"),
+        (str(tmp_path / "empty"), FileNotFoundError, "has no config.json"),
+        (str(tmp_path / "bad-json"), ConfigError, "config.json cannot be read"),
+        (str(tmp_path / "no-weights"), FileNotFoundError, r"holds no \*\.safetensors weights"),
+        (str(tmp_path / "no-tokenizer"), FileNotFoundError, "has no tokenizer"),
+    ]
 
 
 def test_every_unusable_target_directory_is_named(tmp_path, tiny_target):
@@ -49,8 +53,16 @@ def test_every_unusable_target_directory_is_named(tmp_path, tiny_target):
 
 @pytest.mark.slow
 def test_data_prepare_with_a_missing_target_fails_naming_target_path(tmp_path):
-    result, _ = cli("data", "prepare", "--set", f"target.path={tmp_path / 'nowhere'}", "--set", "data.regenerate=false",
-                    "--set", f"data.output_dir={tmp_path / 'out'}")  # fmt: skip
+    result, _ = cli(
+        "data",
+        "prepare",
+        "--set",
+        f"target.path={tmp_path / 'nowhere'}",
+        "--set",
+        "data.regenerate=false",
+        "--set",
+        f"data.output_dir={tmp_path / 'out'}",
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"target.path {tmp_path / 'nowhere'} does not exist" in result.stderr
 

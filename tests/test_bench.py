@@ -7,8 +7,9 @@ from peagle_ray.bench import train_memory
 
 @pytest.mark.slow
 def test_train_memory_reports_every_configuration():
-    result = train_memory.run(seq_lens=(48,), depths=(3,), segment_length=40, draft_vocab_size=256,
-                              progress=lambda _line: None)  # fmt: skip
+    result = train_memory.run(
+        seq_lens=(48,), depths=(3,), segment_length=40, draft_vocab_size=256, progress=lambda _line: None
+    )
     rows = result["rows"]
     assert [(r["seq_len"], r["depths"], r["partitioned"]) for r in rows] == [(48, 3, True), (48, 3, False)]
     assert all("error" not in r for r in rows), rows
@@ -16,8 +17,15 @@ def test_train_memory_reports_every_configuration():
     assert rows[0]["elements"] == rows[1]["elements"]  # same seeded COD sampling
     assert all(r["peak_rss_mb"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[0]["reference_tokens_per_s"] == "not measured" and "vs_reference" not in rows[0]
-    fast = train_memory.run(seq_lens=(48,), depths=(3,), segment_length=40, draft_vocab_size=256,
-                            progress=lambda _line: None, freeze_lm_head=True, bf16=True)  # fmt: skip
+    fast = train_memory.run(
+        seq_lens=(48,),
+        depths=(3,),
+        segment_length=40,
+        draft_vocab_size=256,
+        progress=lambda _line: None,
+        freeze_lm_head=True,
+        bf16=True,
+    )
     assert fast["precision"] == "bfloat16" and fast["freeze_lm_head"] and all("error" not in r for r in fast["rows"])
     assert [r["elements"] for r in fast["rows"]] == [r["elements"] for r in rows]
 

@@ -16,25 +16,36 @@ from peagle_ray.capture.pipeline import (
     write_offline,
 )
 from peagle_ray.capture.reference import hf_hidden_states
-from peagle_ray.capture.run import (prompt_writer, run_capture_offline, run_prepare, samples_to_capture,
-                                   target_session)
+from peagle_ray.capture.run import prompt_writer, run_capture_offline, run_prepare, samples_to_capture, target_session
 from peagle_ray.config import build_config
 from peagle_ray.data.prepare import BadRows, TokenizedSample, read_prepared
 
-PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
-           "Explain recursion briefly.", "Translate 'good morning' into French."]  # fmt: skip
+PROMPTS = [
+    "Write a haiku about rain.",
+    "What is a socket?",
+    "Sort a list in Python.",
+    "Name three colors.",
+    "Explain recursion briefly.",
+    "Translate 'good morning' into French.",
+]
 
 
 @pytest.fixture(scope="module")
 def session(tiny_target, tmp_path_factory, ray_local):
     tmp = tmp_path_factory.mktemp("capture")
     (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    cfg = build_config({
-        "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
-        "data": {"sources": [str(tmp / "prompts.txt")], "max_new_tokens": 12, "output_dir": str(tmp / "data"),
-                 "validation_fraction": 0.3},
-        "capture": {"output_dir": str(tmp / "hidden"), "batch_size": 4},
-    })  # fmt: skip
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "data": {
+                "sources": [str(tmp / "prompts.txt")],
+                "max_new_tokens": 12,
+                "output_dir": str(tmp / "data"),
+                "validation_fraction": 0.3,
+            },
+            "capture": {"output_dir": str(tmp / "hidden"), "batch_size": 4},
+        }
+    )
     with target_session(cfg) as s:
         yield cfg, s
 
@@ -86,8 +97,12 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
     assert all(sum(x.loss_mask) > 0 for x in samples)
 
     bad = BadRows()
-    online = {r["sample_id"]: r for r in iter_records(
-        capture_dataset(samples, s.num_layers_captured, s.info.hidden_size, 4, 1).iter_rows(), bad)}  # fmt: skip
+    online = {
+        r["sample_id"]: r
+        for r in iter_records(
+            capture_dataset(samples, s.num_layers_captured, s.info.hidden_size, 4, 1).iter_rows(), bad
+        )
+    }
     assert len(samples_to_capture(cfg)[0]) == len(PROMPTS)
     first = run_capture_offline(cfg, s, shard_size=4)
     assert samples_to_capture(cfg) == ([], {x.sample_id for x in samples})  # what the demo checks before capture
@@ -106,9 +121,14 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
 def test_each_rank_reads_an_equal_disjoint_share_of_a_split(tmp_path):
     def record(i):
         n = 3 + i
-        return {"sample_id": f"s{i:02d}", "split": "validation" if i % 4 == 0 else "train",
-                "input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long),
-                "aux_hidden": torch.full((n, 6), float(i)), "last_hidden": torch.full((n, 2), float(i))}  # fmt: skip
+        return {
+            "sample_id": f"s{i:02d}",
+            "split": "validation" if i % 4 == 0 else "train",
+            "input_ids": torch.arange(n),
+            "loss_mask": torch.ones(n, dtype=torch.long),
+            "aux_hidden": torch.full((n, 6), float(i)),
+            "last_hidden": torch.full((n, 2), float(i)),
+        }
 
     write_offline((record(i) for i in range(11)), tmp_path, shard_size=3)  # 4 shards, 8 train, 3 validation
     written = {r["sample_id"]: r for r in read_offline(tmp_path)}

@@ -41,8 +41,24 @@ def test_bench_mask_writes_json(tmp_path):
 @pytest.mark.slow
 def test_bench_draft_latency_writes_json(tmp_path, tiny_target):
     out = tmp_path / "latency.json"
-    result = run_cli("bench", "draft-latency", "--target", str(tiny_target), "--draft-vocab-size", "0",
-                     "--max-k", "3", "--repeats", "3", "--context", "16", "--num-layers", "2", "--json", str(out))  # fmt: skip
+    result = run_cli(
+        "bench",
+        "draft-latency",
+        "--target",
+        str(tiny_target),
+        "--draft-vocab-size",
+        "0",
+        "--max-k",
+        "3",
+        "--repeats",
+        "3",
+        "--context",
+        "16",
+        "--num-layers",
+        "2",
+        "--json",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     assert data["hidden_size"] == 96 and data["layers"] == 2

@@ -12,11 +12,17 @@ from tests.conftest import REPO
         ("data.max_length=0", r"data\.max_length: Input should be greater than 0; got 0"),
         ("data.validation_fraction=1.5", r"data\.validation_fraction: Input should be less than 1; got 1\.5"),
         ("capture.mode=sideways", r"capture\.mode: Input should be 'online' or 'offline'; got 'sideways'"),
-        ("capture.aux_layer_ids=[2,-1]", r"capture\.aux_layer_ids: must be a non-empty list of layer ids >= 0; got \[2, -1\]"),
+        (
+            "capture.aux_layer_ids=[2,-1]",
+            r"capture\.aux_layer_ids: must be a non-empty list of layer ids >= 0; got \[2, -1\]",
+        ),
         ("drafter.algorithm=medusa", r"drafter\.algorithm: Input should be 'peagle' or 'eagle3'; got 'medusa'"),
         ("drafter.num_depths=0", r"drafter\.num_depths: Input should be greater than or equal to 1; got 0"),
         ("training.learning_rate=-1", r"training\.learning_rate: Input should be greater than 0; got -1"),
-        ("training.depth_weights=[1,2]", r"training\.depth_weights must have one weight per trained depth \(4\); got 2 weights"),
+        (
+            "training.depth_weights=[1,2]",
+            r"training\.depth_weights must have one weight per trained depth \(4\); got 2 weights",
+        ),
         ("drafter.ttt_steps=3", r"^drafter\.ttt_steps applies only to algorithm 'eagle3'; got algorithm 'peagle'"),
         ("tracking.port=70000", r"tracking\.port: Input should be less than 65536; got 70000"),
         ("serving.max_tokens_limit=0", r"serving\.max_tokens_limit: Input should be greater than 0; got 0"),
@@ -30,13 +36,19 @@ def test_bad_value_names_field_rule_and_value(override, message):
 
 
 def test_cod_floor_above_ratio_is_rejected():
-    with pytest.raises(ConfigError, match=r"drafter\.cod_min_ratio must not exceed drafter\.cod_keep_ratio; got 0\.8 > 0\.7"):
+    with pytest.raises(
+        ConfigError, match=r"drafter\.cod_min_ratio must not exceed drafter\.cod_keep_ratio; got 0\.8 > 0\.7"
+    ):
         build_config({"drafter": {"cod_min_ratio": 0.8}})
 
 
 def test_eagle3_trains_ttt_steps_depths():
-    cfg = build_config({"drafter": {"algorithm": "eagle3", "num_depths": 3, "ttt_steps": 7},
-                        "training": {"depth_weights": [1, 1, 1, 1, 1, 1, 1]}})  # fmt: skip
+    cfg = build_config(
+        {
+            "drafter": {"algorithm": "eagle3", "num_depths": 3, "ttt_steps": 7},
+            "training": {"depth_weights": [1, 1, 1, 1, 1, 1, 1]},
+        }
+    )
     assert cfg.drafter.trained_depths == 7
     assert build_config({"drafter": {"num_depths": 5}}).drafter.trained_depths == 5
 

@@ -27,16 +27,24 @@ def tokenizer(tiny_target):
 
 
 def test_loss_mask_covers_exactly_the_assistant_tokens(tokenizer):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Bye"},
-                {"role": "assistant", "content": "See you"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "See you"},
+    ]
     ids, mask = tokenize_conversation(tokenizer, messages, max_length=1000)
-    assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert (
+        ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
     masked = [tokenizer.decode([t for t, m in zip(ids, mask) if m])]
     assert masked == ["Hello there<|im_end|>\nSee you<|im_end|>\n"]
     unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
-    assert unmasked == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-                        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    assert unmasked == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_truncation_and_over_length(tokenizer):
@@ -75,20 +83,26 @@ def test_every_bad_row_kind_is_counted_and_skipped(tmp_path, tokenizer):
     bad = BadRows()
     samples = list(prepare_samples(read_conversations([str(source)], 0.0, bad), tokenizer, 64, bad))
     assert len(samples) == 2
-    assert bad.counts == Counter(invalid_json=1, unknown_shape=1, empty=2, unknown_role=2, no_assistant_turn=1,
-                                 over_length=1)  # fmt: skip
-    assert bad.examples["unknown_role"] == ["chats.jsonl:4: messages[0].role = 'wizard'",
-                                            "chats.jsonl:5: conversations[0].from = 'alien'"]  # fmt: skip
-    assert bad.report() == ("bad rows: 8 skipped (invalid_json 1, unknown_shape 1, unknown_role 2, empty 2, "
-                            "no_assistant_turn 1, over_length 1)")  # fmt: skip
+    assert bad.counts == Counter(
+        invalid_json=1, unknown_shape=1, empty=2, unknown_role=2, no_assistant_turn=1, over_length=1
+    )
+    assert bad.examples["unknown_role"] == [
+        "chats.jsonl:4: messages[0].role = 'wizard'",
+        "chats.jsonl:5: conversations[0].from = 'alien'",
+    ]
+    assert bad.report() == (
+        "bad rows: 8 skipped (invalid_json 1, unknown_shape 1, unknown_role 2, empty 2, "
+        "no_assistant_turn 1, over_length 1)"
+    )
 
 
 def test_txt_prompts_and_saved_datasets_are_read(tmp_path):
     from datasets import Dataset
 
     (tmp_path / "prompts.txt").write_text("first prompt\nsecond prompt\n")
-    Dataset.from_list([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
-                      ).save_to_disk(str(tmp_path / "ds"))  # fmt: skip
+    Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    ).save_to_disk(str(tmp_path / "ds"))
     bad = BadRows()
     conversations = list(read_conversations([str(tmp_path / "prompts.txt"), str(tmp_path / "ds")], 0.5, bad))
     assert [c.messages[-1]["content"] for c in conversations] == ["first prompt", "second prompt", "a"]
@@ -96,13 +110,19 @@ def test_txt_prompts_and_saved_datasets_are_read(tmp_path):
 
 
 def test_regenerated_turns_are_the_supervised_tokens(tokenizer, tmp_path):
-    conversations = [Conversation("a", [{"role": "user", "content": "hi"}]),
-                     Conversation("b", [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "old"}]),
-                     Conversation("c", [{"role": "user", "content": "silent"}])]  # fmt: skip
+    conversations = [
+        Conversation("a", [{"role": "user", "content": "hi"}]),
+        Conversation("b", [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "old"}]),
+        Conversation("c", [{"role": "user", "content": "silent"}]),
+    ]
     answers = {"a": [7, 8, 9], "b": [5, 6], "c": []}
     order = iter(["a", "b", "c"])
     bad = BadRows()
-    samples = list(prepare_samples(conversations, tokenizer, 100, bad, regenerate=lambda prompts: [answers[next(order)] for _ in prompts]))
+    samples = list(
+        prepare_samples(
+            conversations, tokenizer, 100, bad, regenerate=lambda prompts: [answers[next(order)] for _ in prompts]
+        )
+    )
     assert [s.sample_id for s in samples] == ["a", "b"]
     assert samples[0].input_ids[-3:] == [7, 8, 9] and samples[0].loss_mask[-4:] == [0, 1, 1, 1]
     assert "old" not in tokenizer.decode(samples[1].input_ids)  # the old answer was replaced

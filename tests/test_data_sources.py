@@ -32,16 +32,29 @@ def test_a_json_array_cut_off_inside_an_item_yields_the_whole_items_and_one_trun
 
 
 def test_first_exchange_keeps_system_first_human_turn_and_its_answer():
-    row = {"conversations": [{"from": "gpt", "value": "I start"}, {"from": "system", "value": "Be kind."},
-                             {"from": "human", "value": " "}, {"from": "human", "value": "Hi"},
-                             {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "More"}]}  # fmt: skip
-    assert first_exchange(row) == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
-                                   {"role": "assistant", "content": "Hello"}]  # fmt: skip
+    row = {
+        "conversations": [
+            {"from": "gpt", "value": "I start"},
+            {"from": "system", "value": "Be kind."},
+            {"from": "human", "value": " "},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "human", "value": "More"},
+        ]
+    }
+    assert first_exchange(row) == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
     assert first_exchange({"conversations": [{"from": "human", "value": "Q"}]}) == [{"role": "user", "content": "Q"}]
-    for row, reason in [({"conversations": [{"from": "bing", "value": "x"}]}, "unknown_role"),
-                        ({"conversations": [{"from": "gpt", "value": "only me"}]}, "empty"),
-                        ({"conversations": "nope"}, "wrong_type"), ("a string", "not_an_object"),
-                        ({"conversations": [{"from": "human", "value": None}]}, "missing_field")]:  # fmt: skip
+    for row, reason in [
+        ({"conversations": [{"from": "bing", "value": "x"}]}, "unknown_role"),
+        ({"conversations": [{"from": "gpt", "value": "only me"}]}, "empty"),
+        ({"conversations": "nope"}, "wrong_type"),
+        ("a string", "not_an_object"),
+        ({"conversations": [{"from": "human", "value": None}]}, "missing_field"),
+    ]:
         with pytest.raises(BadRow, match=reason):
             first_exchange(row)
 
@@ -71,11 +84,21 @@ def test_sharegpt_source_through_read_conversations():
 def test_mt_bench_and_humaneval_suites_from_their_wheels():
     mt = mtbench_prompts()
     assert len(mt) == 80 and set(Counter(p.category for p in mt).values()) == {10}
-    assert set(p.category for p in mt) == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
-                                           "stem", "humanities"}  # fmt: skip
+    assert set(p.category for p in mt) == {
+        "writing",
+        "roleplay",
+        "reasoning",
+        "math",
+        "coding",
+        "extraction",
+        "stem",
+        "humanities",
+    }
     assert mt[0].messages[0]["role"] == "user" and len({p.prompt_id for p in mt}) == 80
     he = humaneval_prompts()
-    assert len(he) == 164 and he[0].prompt_id == "HumanEval/0" and "def has_close_elements" in he[0].messages[0]["content"]
+    assert (
+        len(he) == 164 and he[0].prompt_id == "HumanEval/0" and "def has_close_elements" in he[0].messages[0]["content"]
+    )
 
 
 def test_a_missing_wheel_names_the_extra():
@@ -112,9 +135,17 @@ def test_magpie_rejections():
 
 
 def test_magpie_keeps_distinct_good_prompts_and_counts_the_rest():
-    written = iter([("Explain how a hash map works.", True), None, ("explain how a  hash map works.", True),
-                    ("ok", True), ("Write a short story about a robot.", True), ("Name three rivers in Asia.", True),
-                    ("Never used: the count is reached first.", True)])  # fmt: skip
+    written = iter(
+        [
+            ("Explain how a hash map works.", True),
+            None,
+            ("explain how a  hash map works.", True),
+            ("ok", True),
+            ("Write a short story about a robot.", True),
+            ("Name three rivers in Asia.", True),
+            ("Never used: the count is reached first.", True),
+        ]
+    )
     asked = []
 
     def write(n):
@@ -123,8 +154,9 @@ def test_magpie_keeps_distinct_good_prompts_and_counts_the_rest():
 
     bad = BadRows()
     out = list(magpie_conversations(3, write, 0.0, bad, batch_size=3))
-    assert [c.messages for c in out] == [[{"role": "user", "content": p}] for p in
-                                         ["Explain how a hash map works.", "Write a short story about a robot.",
-                                          "Name three rivers in Asia."]]  # fmt: skip
+    assert [c.messages for c in out] == [
+        [{"role": "user", "content": p}]
+        for p in ["Explain how a hash map works.", "Write a short story about a robot.", "Name three rivers in Asia."]
+    ]
     assert bad.counts == Counter(generation_failed=1, duplicate=1, degenerate=1) and asked == [3, 3]
     assert len({c.sample_id for c in out}) == 3 and all(c.category == "magpie" for c in out)

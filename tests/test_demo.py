@@ -16,23 +16,31 @@ pytestmark = pytest.mark.vllm
 
 
 def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
-    cfg = build_config({
-        "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
-        "data": {"sources": ["builtin"], "max_length": 160, "regenerate": True, "max_new_tokens": 16,
-                 "output_dir": str(tmp_path / "data")},
-        "capture": {"mode": "online"},
-        "drafter": {"num_depths": 2, "draft_vocab_size": 256},
-        "training": {"num_workers": 2, "max_steps": 4, "validate_every": 2, "storage_path": str(tmp_path / "runs")},
-        "tracking": {"port": free_port()},
-        "serving": {"port": free_port(), "log_dir": str(tmp_path / "logs")},
-        "eval": {"k_values": [2], "prompts_per_category": 1, "timing_prompts": 1, "max_new_tokens": 12},
-    })  # fmt: skip
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
+            "data": {
+                "sources": ["builtin"],
+                "max_length": 160,
+                "regenerate": True,
+                "max_new_tokens": 16,
+                "output_dir": str(tmp_path / "data"),
+            },
+            "capture": {"mode": "online"},
+            "drafter": {"num_depths": 2, "draft_vocab_size": 256},
+            "training": {"num_workers": 2, "max_steps": 4, "validate_every": 2, "storage_path": str(tmp_path / "runs")},
+            "tracking": {"port": free_port()},
+            "serving": {"port": free_port(), "log_dir": str(tmp_path / "logs")},
+            "eval": {"k_values": [2], "prompts_per_category": 1, "timing_prompts": 1, "max_new_tokens": 12},
+        }
+    )
     answers = []
 
     def ask(url):
         body = {"model": tiny_target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-        request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as resp:
             answers.append(json.loads(resp.read())["choices"][0]["message"]["content"])
         with urllib.request.urlopen(f"{url}/v1/speculative_stats", timeout=30) as resp:
@@ -43,8 +51,15 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
     results = outcome["eval"]
     for algorithm in ("peagle", "eagle3"):
         overall = results[algorithm]["by_k"][2]["overall"]
-        assert set(overall) >= {"k", "acceptance_per_position", "acceptance_length", "tokens_per_s",
-                                "baseline_tokens_per_s", "speedup", "greedy_mismatches"}  # fmt: skip
+        assert set(overall) >= {
+            "k",
+            "acceptance_per_position",
+            "acceptance_length",
+            "tokens_per_s",
+            "baseline_tokens_per_s",
+            "speedup",
+            "greedy_mismatches",
+        }
         assert overall["greedy_mismatches"] == 0 and overall["tokens_per_s"] > 0
         assert len(overall["acceptance_per_position"]) == 2 and results[algorithm]["recommended_k"] == 2
         assert set(results[algorithm]["by_k"][2]) == {*results["categories"], "overall"}
@@ -53,7 +68,7 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
     assert "| Category | Pos 1 | Pos 2 | Avg Length |" in out and "MLflow UI: http://127.0.0.1:" in out
     assert "curl" in out and outcome["endpoint"] in out
     client = MlflowClient(f"sqlite:///{Path(cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
-    runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}  # fmt: skip
+    runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
     assert {"peagle", "peagle-eagle3"} <= set(runs)
     for run in runs.values():
         assert client.get_metric_history(run.info.run_id, "eval/acceptance_length")[0].step == 2

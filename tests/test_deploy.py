@@ -61,7 +61,7 @@ def test_dockerfiles_install_a_real_extra_and_run_a_real_command(name, extra):
     text = (REPO / "docker" / name).read_text()
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extra in extras
-    assert f'.[{extra}]' in text or "scripts/setup.sh" in text
+    assert f".[{extra}]" in text or "scripts/setup.sh" in text
     for copied in re.findall(r"^COPY (\S+)", text, flags=re.M):
         assert (REPO / copied).exists(), copied
     cmd = yaml.safe_load(re.search(r"^CMD (.+)$", text, flags=re.M).group(1))

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from peagle_ray.drafter.elements import Elements, attention_mask
 from peagle_ray.drafter.model import DraftCache, DrafterArch
-from peagle_ray.train.elements import Elements, cod_sample
+from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.loss import kl_loss, kl_loss_reference
-from peagle_ray.train.masks import attention_mask
 from peagle_ray.train.step import element_weights, mask_function, sequence_backward
 from tests.drafter_helpers import DRAFT_VOCAB, HIDDEN, random_sequence, tiny_arch, tiny_drafter
 
@@ -66,7 +66,9 @@ def test_chunked_kl_equals_the_plain_loss_in_value_and_gradient():
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
     assert (kl >= 0).all() and correct.dtype == torch.bool
-    plain_kl = [float(kl_loss_reference(x[i : i + 1], w, t, index[i : i + 1], teacher, torch.ones(1))) for i in range(11)]
+    plain_kl = [
+        float(kl_loss_reference(x[i : i + 1], w, t, index[i : i + 1], teacher, torch.ones(1))) for i in range(11)
+    ]
     torch.testing.assert_close(kl, torch.tensor(plain_kl, dtype=torch.float64))  # each element its own row
 
 
@@ -86,7 +88,9 @@ def test_a_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():
 def test_kl_is_zero_when_draft_equals_target():
     _, teacher = tiny_drafter(tiny_arch())
     t = torch.randn(5, HIDDEN, dtype=torch.float64)
-    loss, kl, correct = kl_loss(teacher.normed(t), teacher.head, t, torch.arange(5), teacher, torch.ones(5, dtype=torch.float64))
+    loss, kl, correct = kl_loss(
+        teacher.normed(t), teacher.head, t, torch.arange(5), teacher, torch.ones(5, dtype=torch.float64)
+    )
     assert float(loss) == pytest.approx(0.0, abs=1e-12) and correct.all()
 
 
@@ -143,7 +147,9 @@ def test_flex_attention_forward_equals_sdpa():
     elements = cod_sample(seq.supervised, seq.doc_ids, 3, 0.7, 0.2, torch.Generator().manual_seed(0))
     drafter, _ = tiny_drafter(arch, dtype=torch.float32)
     with torch.no_grad():
-        dense = drafter.forward_elements(seq.tokens, seq.hidden, elements, mask_function(elements, seq.doc_ids, False), 0)
+        dense = drafter.forward_elements(
+            seq.tokens, seq.hidden, elements, mask_function(elements, seq.doc_ids, False), 0
+        )
         flex = drafter.forward_elements(seq.tokens, seq.hidden, elements, mask_function(elements, seq.doc_ids, True), 0)
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
 
@@ -151,8 +157,12 @@ def test_flex_attention_forward_equals_sdpa():
 def reference_chain_logits(drafter, tokens, aux, k):
     """Logits of the chain anchored at the last position, from the training forward (no cache)."""
     n = tokens.shape[0]
-    elements = Elements.cat([Elements(torch.arange(n), torch.zeros(n, dtype=torch.long)),
-                             Elements(torch.full((k - 1,), n - 1), torch.arange(1, k))])  # fmt: skip
+    elements = Elements.cat(
+        [
+            Elements(torch.arange(n), torch.zeros(n, dtype=torch.long)),
+            Elements(torch.full((k - 1,), n - 1), torch.arange(1, k)),
+        ]
+    )
     one_doc = torch.zeros(n + k, dtype=torch.long)
     mask_fn = lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), one_doc)  # noqa: E731
     with torch.no_grad():
@@ -184,8 +194,10 @@ def test_eagle3_propose_with_cache_equals_the_training_forward(layers):
     # training-time test feeds the true next tokens; feed the drafted ones to compare
     tokens = torch.cat([seq.tokens[:15], draft[: k - 1]])
     n = 15
-    elements = Elements.cat([Elements(torch.arange(n), torch.zeros(n, dtype=torch.long))]
-                            + [Elements(torch.tensor([n - 1]), torch.tensor([d])) for d in range(1, k)])  # fmt: skip
+    elements = Elements.cat(
+        [Elements(torch.arange(n), torch.zeros(n, dtype=torch.long))]
+        + [Elements(torch.tensor([n - 1]), torch.tensor([d])) for d in range(1, k)]
+    )
     one_doc = torch.zeros(n + k, dtype=torch.long)
     mask_fn = lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), one_doc)  # noqa: E731
     with torch.no_grad():

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from peagle_ray.train.elements import Elements, TrainSequence, cod_keep_fraction, cod_sample
-from peagle_ray.train.masks import AmortizedMask, attention_mask, position_major
+from peagle_ray.drafter.elements import Elements, attention_mask
+from peagle_ray.train.elements import TrainSequence, cod_keep_fraction, cod_sample
+from peagle_ray.train.masks import AmortizedMask, position_major
 from peagle_ray.train.partition import balanced_boundaries, partition
 
 
@@ -35,11 +36,21 @@ def test_cod_respects_chains_loss_mask_and_documents():
     doc_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1])
     elements = cod_sample(supervised, doc_ids, num_depths=4, keep_ratio=1.0, min_ratio=1.0, generator=gen())
     assert elements.pairs() == [
-        (0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0),
-        (0, 1), (1, 1), (2, 1), (4, 1),  # (3,1) crosses into document 1; (5,1) predicts an unsupervised token
-        (0, 2), (1, 2),                  # (2,2) crosses; (4,2) unsupervised
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (4, 0),
+        (5, 0),
+        (6, 0),
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (4, 1),  # (3,1) crosses into document 1; (5,1) predicts an unsupervised token
+        (0, 2),
+        (1, 2),  # (2,2) crosses; (4,2) unsupervised
         (0, 3),
-    ]  # fmt: skip
+    ]
 
 
 def test_cod_keeps_the_documented_fractions_as_conditional_chains():
@@ -67,18 +78,21 @@ WORKED_DOCS = torch.tensor([0, 0, 0, 0, 1, 1])
 
 
 def test_attention_mask_matches_the_worked_example():
-    expected = torch.tensor([
-        # (0,0) (1,0) (2,0) (3,0) (4,0) (5,0) (1,1) (4,1) (1,2)
-        [1, 0, 0, 0, 0, 0, 0, 0, 0],  # (0,0)
-        [1, 1, 0, 0, 0, 0, 0, 0, 0],  # (1,0)
-        [1, 1, 1, 0, 0, 0, 0, 0, 0],  # (2,0)
-        [1, 1, 1, 1, 0, 0, 0, 0, 0],  # (3,0)
-        [0, 0, 0, 0, 1, 0, 0, 0, 0],  # (4,0) document 1 starts
-        [0, 0, 0, 0, 1, 1, 0, 0, 0],  # (5,0)
-        [1, 1, 0, 0, 0, 0, 1, 0, 0],  # (1,1) prefix up to its anchor + own chain
-        [0, 0, 0, 0, 1, 0, 0, 1, 0],  # (4,1)
-        [1, 1, 0, 0, 0, 0, 1, 0, 1],  # (1,2)
-    ], dtype=torch.bool)  # fmt: skip
+    expected = torch.tensor(
+        [
+            # (0,0) (1,0) (2,0) (3,0) (4,0) (5,0) (1,1) (4,1) (1,2)
+            [1, 0, 0, 0, 0, 0, 0, 0, 0],  # (0,0)
+            [1, 1, 0, 0, 0, 0, 0, 0, 0],  # (1,0)
+            [1, 1, 1, 0, 0, 0, 0, 0, 0],  # (2,0)
+            [1, 1, 1, 1, 0, 0, 0, 0, 0],  # (3,0)
+            [0, 0, 0, 0, 1, 0, 0, 0, 0],  # (4,0) document 1 starts
+            [0, 0, 0, 0, 1, 1, 0, 0, 0],  # (5,0)
+            [1, 1, 0, 0, 0, 0, 1, 0, 0],  # (1,1) prefix up to its anchor + own chain
+            [0, 0, 0, 0, 1, 0, 0, 1, 0],  # (4,1)
+            [1, 1, 0, 0, 0, 0, 1, 0, 1],  # (1,2)
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(attention_mask(WORKED, WORKED, WORKED_DOCS), expected)
 
 

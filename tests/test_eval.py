@@ -10,26 +10,45 @@ from peagle_ray.eval.sweep import format_table, recommend_k, set_drafter_k, summ
 from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
 
 BASELINE = {
-    "acceptance": {"coding": {"tokens": [[1, 2, 3], [4, 5]], "counters": {}}, "math": {"tokens": [[7, 8]], "counters": {}}},
-    "timing": {"coding": {"tokens": 100, "seconds": 10.0, "counters": {}}, "math": {"tokens": 50, "seconds": 5.0, "counters": {}}},
-}  # fmt: skip
+    "acceptance": {
+        "coding": {"tokens": [[1, 2, 3], [4, 5]], "counters": {}},
+        "math": {"tokens": [[7, 8]], "counters": {}},
+    },
+    "timing": {
+        "coding": {"tokens": 100, "seconds": 10.0, "counters": {}},
+        "math": {"tokens": 50, "seconds": 5.0, "counters": {}},
+    },
+}
 RUN = {
     "acceptance": {
-        "coding": {"tokens": [[1, 2, 3], [4, 5]],
-                   "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 14, "accepted_per_position": [8, 5, 1]}},
-        "math": {"tokens": [[7, 9]],
-                 "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 6, "accepted_per_position": [4, 2, 0]}},
+        "coding": {
+            "tokens": [[1, 2, 3], [4, 5]],
+            "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 14, "accepted_per_position": [8, 5, 1]},
+        },
+        "math": {
+            "tokens": [[7, 9]],
+            "counters": {"drafts": 10, "draft_tokens": 30, "accepted_tokens": 6, "accepted_per_position": [4, 2, 0]},
+        },
     },
-    "timing": {"coding": {"tokens": 100, "seconds": 5.0, "counters": {"drafts": 40, "accepted_tokens": 60}},
-               "math": {"tokens": 50, "seconds": 4.0, "counters": {"drafts": 40, "accepted_tokens": 10}}},
-}  # fmt: skip
+    "timing": {
+        "coding": {"tokens": 100, "seconds": 5.0, "counters": {"drafts": 40, "accepted_tokens": 60}},
+        "math": {"tokens": 50, "seconds": 4.0, "counters": {"drafts": 40, "accepted_tokens": 10}},
+    },
+}
 
 
 def test_summarize_per_category_and_overall():
     rows = summarize(3, BASELINE, RUN)
-    assert rows["coding"] == {"k": 3, "acceptance_per_position": [0.8, 0.5, 0.1], "acceptance_length": 2.4,
-                              "tokens_per_s": 20.0, "baseline_tokens_per_s": 10.0, "speedup": 2.0,
-                              "step_cost_vs_target": 1.25, "greedy_mismatches": 0}  # fmt: skip
+    assert rows["coding"] == {
+        "k": 3,
+        "acceptance_per_position": [0.8, 0.5, 0.1],
+        "acceptance_length": 2.4,
+        "tokens_per_s": 20.0,
+        "baseline_tokens_per_s": 10.0,
+        "speedup": 2.0,
+        "step_cost_vs_target": 1.25,
+        "greedy_mismatches": 0,
+    }
     # timing AL 2.5 at 2.0x: a step costs 1.25 target steps; math: AL 1.25 at 1.25x -> 1.0
     assert rows["math"]["greedy_mismatches"] == 1 and rows["math"]["speedup"] == 1.25
     assert rows["math"]["step_cost_vs_target"] == 1.0
@@ -37,14 +56,22 @@ def test_summarize_per_category_and_overall():
     assert overall["acceptance_per_position"] == [0.6, 0.35, 0.05] and overall["acceptance_length"] == 2.0
     assert overall["tokens_per_s"] == pytest.approx(150 / 9, abs=0.01) and overall["greedy_mismatches"] == 1
     assert overall["speedup"] == pytest.approx((150 / 9) / 10, abs=1e-3)
-    assert overall["step_cost_vs_target"] == pytest.approx(1.875 / ((150 / 9) / 10), abs=1e-3)  # AL (80 drafts, 70 acc.)
+    assert overall["step_cost_vs_target"] == pytest.approx(
+        1.875 / ((150 / 9) / 10), abs=1e-3
+    )  # AL (80 drafts, 70 acc.)
     assert summarize(0, BASELINE, BASELINE)["overall"]["step_cost_vs_target"] == 1.0  # the target alone
 
 
 def test_goal_says_the_acceptance_length_it_needs():
     peagle = {"k": 2, "acceptance_length": 1.25, "step_cost_vs_target": 1.4}
-    assert goal(0.89, 1.8, peagle, 1.0) == {"measured": 0.89, "goal": 1.8, "met": False, "acceptance_length": 1.25,
-                                             "acceptance_length_needed": 2.52, "max_acceptance_length": 3}
+    assert goal(0.89, 1.8, peagle, 1.0) == {
+        "measured": 0.89,
+        "goal": 1.8,
+        "met": False,
+        "acceptance_length": 1.25,
+        "acceptance_length_needed": 2.52,
+        "max_acceptance_length": 3,
+    }
     # vs EAGLE-3 running at 0.9x the target: 1.3 x 1.4 x 0.9
     assert goal(1.31, 1.3, peagle, 0.9)["acceptance_length_needed"] == 1.638 and goal(1.31, 1.3, peagle, 0.9)["met"]
 
@@ -59,7 +86,8 @@ def test_recommended_k_goes_into_the_drafter_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     set_drafter_k(tmp_path, 3)
     assert json.loads((tmp_path / "config.json").read_text())["speculators_config"]["proposal_methods"][0] == {
-        "speculative_tokens": 3}  # fmt: skip
+        "speculative_tokens": 3
+    }
 
 
 def test_table_has_positions_and_avg_length_per_category():
@@ -78,10 +106,13 @@ class _Metric:
 
 
 def test_counters_sum_over_engines_and_stats_subtract():
-    snapshot = [_Metric("vllm:spec_decode_num_drafts", 4), _Metric("vllm:spec_decode_num_drafts", 6),
-                _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 1]),
-                _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[2, 1, 1]),
-                _Metric("vllm:generation_tokens", 99)]  # fmt: skip
+    snapshot = [
+        _Metric("vllm:spec_decode_num_drafts", 4),
+        _Metric("vllm:spec_decode_num_drafts", 6),
+        _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 1]),
+        _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[2, 1, 1]),
+        _Metric("vllm:generation_tokens", 99),
+    ]
     counters = counters_from_snapshot(snapshot)
     assert counters == {"num_drafts": 10, "num_accepted_tokens_per_pos": [5, 2, 1]}
     later = SpecStats(12, 36, 10, [6, 3, 1])
@@ -106,8 +137,13 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
 
     def sweep(k):
         entry = {"by_k": {3: rows}, "best": rows, "recommended_k": k}
-        results = {"target_only": {"overall": {"tokens_per_s": 10.0}}, "k_values": [3],
-                   "peagle": entry, "eagle3": entry, "greedy_mismatches": 1}  # fmt: skip
+        results = {
+            "target_only": {"overall": {"tokens_per_s": 10.0}},
+            "k_values": [3],
+            "peagle": entry,
+            "eagle3": entry,
+            "greedy_mismatches": 1,
+        }
         return log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle, "eagle3": eagle3}, tmp_path / "eval")
 
     first = sweep(3)
@@ -117,16 +153,25 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     assert run.data.tags["eval.recommended_k"] == "2" and run.data.metrics["eval/acceptance_length"] == 2.0
     assert [m.step for m in client.get_metric_history(trained, "eval/tokens_per_s")] == [3, 3]
     by_position = client.get_metric_history(trained, "eval/acceptance_by_position_k3")  # the UI draws it over position
-    assert sorted({(m.step, m.value) for m in by_position}) == [(i + 1, r) for i, r in enumerate(rows["overall"]["acceptance_per_position"])]
+    assert sorted({(m.step, m.value) for m in by_position}) == [
+        (i + 1, r) for i, r in enumerate(rows["overall"]["acceptance_per_position"])
+    ]
     assert client.get_run(first["eagle3"]).info.status == "FINISHED"
     assert client.get_run(trained).info.status == "RUNNING"  # the training run's status is the training job's
-    table = json.loads(Path(client.download_artifacts(trained, "eval/acceptance_per_position.json", str(tmp_path))).read_text())
+    table = json.loads(
+        Path(client.download_artifacts(trained, "eval/acceptance_per_position.json", str(tmp_path))).read_text()
+    )
     assert table["columns"] == ["sweep", "k", "position", "acceptance"]
     assert [row[1:3] for row in table["data"]] == [[3, 1], [3, 2], [3, 3]] * 2  # each sweep's rows, stamped
     assert "eval/acceptance_per_position.json" in client.get_run(trained).data.tags["mlflow.loggedArtifacts"]
     # another suite gets its own section: it does not draw over the validation curves
-    results = {"target_only": {"overall": {"tokens_per_s": 10.0}}, "k_values": [3], "suite": "mt-bench",
-               "peagle": {"by_k": {3: rows}, "best": rows, "recommended_k": 3}, "greedy_mismatches": 0}  # fmt: skip
+    results = {
+        "target_only": {"overall": {"tokens_per_s": 10.0}},
+        "k_values": [3],
+        "suite": "mt-bench",
+        "peagle": {"by_k": {3: rows}, "best": rows, "recommended_k": 3},
+        "greedy_mismatches": 0,
+    }
     log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle}, tmp_path / "eval-mt")
     assert len(client.get_metric_history(trained, "eval-mt-bench/acceptance_by_position_k3")) == 3
     assert len(client.get_metric_history(trained, "eval/acceptance_by_position_k3")) == 6  # the two earlier sweeps

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 from peagle_ray.capture.reference import hf_hidden_states
 from peagle_ray.config import build_config
 from peagle_ray.drafter.build import drafter_for_target
+from peagle_ray.drafter.replay import Acceptance, replay_greedy
 from peagle_ray.drafter.vocab import count_tokens
 from peagle_ray.engine import vllm_cpu_env
-from peagle_ray.eval.offline import Acceptance, replay_greedy
 from peagle_ray.export.speculators import PROVENANCE, export_drafter
 from peagle_ray.tiny_target import TinyTargetSpec, build_tiny_target
 from peagle_ray.train.elements import TrainSequence
@@ -49,19 +49,30 @@ def greedy_data(tiny_target):
 
 
 def trained_drafter(tiny_target, records, algorithm):
-    cfg = build_config({"drafter": {"algorithm": algorithm, "num_depths": K, "draft_vocab_size": 400},
-                        "training": {"learning_rate": 3e-3, "warmup_steps": 10, "max_steps": 240,
-                                     "sequences_per_step": 4}})  # fmt: skip
+    cfg = build_config(
+        {
+            "drafter": {"algorithm": algorithm, "num_depths": K, "draft_vocab_size": 400},
+            "training": {"learning_rate": 3e-3, "warmup_steps": 10, "max_steps": 240, "sequences_per_step": 4},
+        }
+    )
     counts = count_tokens([(s, m) for s, m, _, _ in records], 516)
     drafter, teacher, _ = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
-    train_loop(drafter, teacher, [TrainSequence.from_record(*r) for r in records], cfg.drafter, cfg.training,
-               torch.Generator().manual_seed(1))  # fmt: skip
+    train_loop(
+        drafter,
+        teacher,
+        [TrainSequence.from_record(*r) for r in records],
+        cfg.drafter,
+        cfg.training,
+        torch.Generator().manual_seed(1),
+    )
     return drafter
 
 
 def test_export_writes_the_speculators_layout(tiny_target, tmp_path):
     cfg = build_config({"drafter": {"num_depths": 5, "draft_vocab_size": 100}})
-    drafter, _, mask = drafter_for_target(tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0))
+    drafter, _, mask = drafter_for_target(
+        tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0)
+    )
     out = export_drafter(drafter, tmp_path / "d", tiny_target, [2, 3, 5], 5)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == mask.id
@@ -69,14 +80,24 @@ def test_export_writes_the_speculators_layout(tiny_target, tmp_path):
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target.resolve())
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 100
     weights = load_file(out / "model.safetensors")
-    assert weights["mask_hidden"].shape == (1, 288) and weights["d2t"].shape == (100,) and weights["t2d"].shape == (516,)
+    assert (
+        weights["mask_hidden"].shape == (1, 288) and weights["d2t"].shape == (100,) and weights["t2d"].shape == (516,)
+    )
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (96, 192)
     assert json.loads((out / PROVENANCE).read_text())["packages"]["torch"].startswith("2.13")
 
 
 def vllm_decode(target, drafter_dir, parallel, prompts):
-    cmd = [sys.executable, str(REPO / "tests/helpers/vllm_spec.py"), str(target), str(drafter_dir), str(K),
-           "1" if parallel else "0", json.dumps(prompts), str(GENERATED)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "tests/helpers/vllm_spec.py"),
+        str(target),
+        str(drafter_dir),
+        str(K),
+        "1" if parallel else "0",
+        json.dumps(prompts),
+        str(GENERATED),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1))
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
@@ -85,7 +106,9 @@ def vllm_decode(target, drafter_dir, parallel, prompts):
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 @pytest.mark.vllm
-def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(tiny_target, greedy_data, tmp_path, algorithm):
+def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(
+    tiny_target, greedy_data, tmp_path, algorithm
+):
     train, held_out = greedy_data
     drafter = trained_drafter(tiny_target, train, algorithm)
     expected = Acceptance(K)
@@ -121,23 +144,42 @@ def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm
     positions or labels are off by one against vLLM's proposer learns something vLLM never asks for, and
     fails here (checked by mutating each)."""
     memorized = greedy_records(peaked_target, 4)
-    cfg = build_config({"drafter": {"algorithm": algorithm, "num_depths": MEMORIZE_K, "draft_vocab_size": 400},
-                        "training": {"learning_rate": 3e-3, "warmup_steps": 10, "max_steps": 200,
-                                     "sequences_per_step": 4}})  # fmt: skip
+    cfg = build_config(
+        {
+            "drafter": {"algorithm": algorithm, "num_depths": MEMORIZE_K, "draft_vocab_size": 400},
+            "training": {"learning_rate": 3e-3, "warmup_steps": 10, "max_steps": 200, "sequences_per_step": 4},
+        }
+    )
     counts = count_tokens([(s, m) for s, m, _, _ in memorized], 516)
     drafter, teacher, _ = drafter_for_target(peaked_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
-    history = train_loop(drafter, teacher, [TrainSequence.from_record(*r) for r in memorized], cfg.drafter,
-                         cfg.training, torch.Generator().manual_seed(1))  # fmt: skip
+    history = train_loop(
+        drafter,
+        teacher,
+        [TrainSequence.from_record(*r) for r in memorized],
+        cfg.drafter,
+        cfg.training,
+        torch.Generator().manual_seed(1),
+    )
     out = export_drafter(drafter, tmp_path / algorithm, peaked_target, [2, 3, 5], MEMORIZE_K)
     prompts = [s[:PROMPT].tolist() for s, *_ in memorized]
-    cmd = [sys.executable, str(REPO / "tests/helpers/vllm_spec.py"), str(peaked_target), str(out), str(MEMORIZE_K),
-           "1" if algorithm == "peagle" else "0", json.dumps(prompts), str(GENERATED)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "tests/helpers/vllm_spec.py"),
+        str(peaked_target),
+        str(out),
+        str(MEMORIZE_K),
+        "1" if algorithm == "peagle" else "0",
+        json.dumps(prompts),
+        str(GENERATED),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1))
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
     assert outcome["tokens"] == [s[PROMPT:].tolist() for s, *_ in memorized]  # lossless
     metrics = outcome["metrics"]
-    rates = [a / metrics["vllm:spec_decode_num_drafts"] for a in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]]
+    rates = [
+        a / metrics["vllm:spec_decode_num_drafts"] for a in metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    ]
     accuracy = history[-1].accuracy()
     assert rates[0] >= 0.9, (rates, accuracy)
     assert all(later >= 0.8 * earlier for earlier, later in zip(rates, rates[1:])), (rates, accuracy)

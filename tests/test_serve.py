@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peagle_ray.config import build_config
 from peagle_ray.drafter.build import drafter_for_target
-from peagle_ray.export.speculators import export_drafter
+from peagle_ray.export.speculators import export_drafter, read_drafter
+from peagle_ray.serve.app import RequestLimits, free_port, start_endpoint, stop_endpoint, vllm_args
 from peagle_ray.serve.limits import Limits
-from peagle_ray.serve.app import RequestLimits, free_port, read_drafter, start_endpoint, stop_endpoint, vllm_args
 
 TOKEN = "test-token-123"
 PROMPTS = ["def read_file(path):", "The socket module provides", "import os\nimport sys\n"]
@@ -23,15 +23,20 @@ PROMPTS = ["def read_file(path):", "The socket module provides", "import os\nimp
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_target, tmp_path_factory):
     cfg = build_config({"drafter": {"num_depths": 3, "draft_vocab_size": 400}})
-    drafter, _, _ = drafter_for_target(tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0))
+    drafter, _, _ = drafter_for_target(
+        tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0)
+    )
     return export_drafter(drafter, tmp_path_factory.mktemp("served") / "drafter", tiny_target, [2, 3, 5], 3)
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_target, drafter_dir, ray_local):
-    cfg = build_config({"target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
-                        "serving": {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64,
-                                    "max_prompt_tokens": 200}})  # fmt: skip
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
+            "serving": {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64, "max_prompt_tokens": 200},
+        }
+    )
     url = start_endpoint(cfg, tiny_target, drafter_dir)
     yield url, tiny_target.name
     stop_endpoint()
@@ -50,7 +55,9 @@ def hf_greedy(target, prompt_ids: list[int], n: int) -> list[int]:
 
 def post(url, path, body, token=TOKEN, raw: bytes | None = None):
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url + path, data=raw if raw is not None else json.dumps(body).encode(), headers=headers)
+    request = urllib.request.Request(
+        url + path, data=raw if raw is not None else json.dumps(body).encode(), headers=headers
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -65,21 +72,39 @@ def test_completions_chat_and_streaming_equal_target_greedy(endpoint, tiny_targe
     assert [m.id for m in api.models.list().data] == [model]
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
-        result = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        result = api.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert result.choices[0].token_ids == hf_greedy(tiny_target, ids, 24), prompt
-        streamed = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+        streamed = api.completions.create(
+            model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         assert "".join(chunk.choices[0].text for chunk in streamed) == result.choices[0].text
     messages = [{"role": "user", "content": "How do I open a file?"}]
-    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)["input_ids"]  # fmt: skip
-    chat = api.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
-                                       extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    chat_ids = tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
+    chat = api.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
     expected = tokenizer.decode(hf_greedy(tiny_target, chat_ids, 20), skip_special_tokens=False)
     assert chat.choices[0].message.content == expected
-    pieces = api.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    pieces = api.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == expected
 
 
@@ -108,17 +133,40 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "not a list", "max_tokens": 4}, 400, None),
     ("/v1/completions", [1, 2, 3], 400, "JSON object"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": "hot"}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n must be an integer between 1 and 8 (serving.max_n); got 1000"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 50, "max_tokens": 2}, 400, "best_of must be an integer between 1 and 8"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "n": 1000},
+        400,
+        "n must be an integer between 1 and 8 (serving.max_n); got 1000",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "best_of": 50, "max_tokens": 2},
+        400,
+        "best_of must be an integer between 1 and 8",
+    ),
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 32}, 400, "32 x 4 x 1 = 128 tokens; the limit is 64"),
     ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 30}, 400, "30 x 1 x 3 = 90 tokens"),
     ("/v1/completions", {"prompt": ["hi"] * 20, "max_tokens": 1}, 400, "prompt holds 20 prompts; the limit is 16"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 100}, 400, "logprobs must be an integer between 0 and 20"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "logprobs": 100},
+        400,
+        "logprobs must be an integer between 0 and 20",
+    ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 21}, 400, "prompt_logprobs must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
-                              "top_logprobs": 99}, 400, "top_logprobs must be an integer between 0 and 20"),
-    ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": "hi"}], "max_tokens": 2}, 400,
-     "messages[0].role must be one of system, developer, user, assistant, tool, function; got 'nobody'"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 99},
+        400,
+        "top_logprobs must be an integer between 0 and 20",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "nobody", "content": "hi"}], "max_tokens": 2},
+        400,
+        "messages[0].role must be one of system, developer, user, assistant, tool, function; got 'nobody'",
+    ),
 ]
 
 
@@ -171,7 +219,10 @@ def test_drafter_with_pickled_weights_is_refused(drafter_dir, tmp_path):
 
 def test_request_limits_check_without_a_server(tiny_target):
     limits = RequestLimits(None, AutoTokenizer.from_pretrained(tiny_target), Limits(5, 8, 2, 5, 4, 16))
-    assert limits.check(b'{"prompt": [1, 2, 3], "max_tokens": 8}', "/v1/completions") == (None, b'{"prompt": [1, 2, 3], "max_tokens": 8}')
+    assert limits.check(b'{"prompt": [1, 2, 3], "max_tokens": 8}', "/v1/completions") == (
+        None,
+        b'{"prompt": [1, 2, 3], "max_tokens": 8}',
+    )
     (status, body), _ = limits.check(b'{"prompt": [1, 2, 3, 4, 5, 6]}', "/v1/completions")
     assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
     (status, body), _ = limits.check(b'{"prompt": "x", "max_completion_tokens": true}', "/v1/completions")
@@ -182,8 +233,9 @@ def test_request_limits_check_without_a_server(tiny_target):
 
 def test_a_request_without_max_tokens_stays_within_the_limit(endpoint):
     url, model = endpoint
-    code, answer = post(url, "/v1/completions", {"model": model, "prompt": "hi", "n": 2, "temperature": 1.0,
-                                                 "ignore_eos": True})  # fmt: skip
+    code, answer = post(
+        url, "/v1/completions", {"model": model, "prompt": "hi", "n": 2, "temperature": 1.0, "ignore_eos": True}
+    )
     assert code == 200, answer
     assert answer["usage"]["completion_tokens"] == 64 and len(answer["choices"]) == 2  # 2 x (64 // 2)
 

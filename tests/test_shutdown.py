@@ -69,21 +69,52 @@ def cli(*args: str) -> list[str]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path, signum):
     port = free_port()
-    server = start_and_wait(cli("serve", "--no-drafter", "--set", f"target.path={tiny_target}", "--set",
-                                "target.max_model_len=256", "--set", "target.kv_cache_gib=1", "--set",
-                                f"serving.port={port}", "--set", f"serving.log_dir={tmp_path / 'logs'}"),
-                            tmp_path / "serve.log", "endpoint: http")  # fmt: skip
+    server = start_and_wait(
+        cli(
+            "serve",
+            "--no-drafter",
+            "--set",
+            f"target.path={tiny_target}",
+            "--set",
+            "target.max_model_len=256",
+            "--set",
+            "target.kv_cache_gib=1",
+            "--set",
+            f"serving.port={port}",
+            "--set",
+            f"serving.log_dir={tmp_path / 'logs'}",
+        ),
+        tmp_path / "serve.log",
+        "endpoint: http",
+    )
     assert port in listening_ports([psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)])
     stop_and_check(server, signum, tmp_path / "serve.log")
 
 
 def test_sigterm_to_the_demo_mid_run_stops_mlflow_ray_and_the_target(tiny_target, tmp_path):
     mlflow_port = free_port()
-    demo = start_and_wait(cli("demo", "--no-wait", "--set", f"target.path={tiny_target}", "--set",
-                              "target.max_model_len=256", "--set", "target.kv_cache_gib=1", "--set",
-                              f"tracking.port={mlflow_port}", "--set", f"training.storage_path={tmp_path / 'runs'}",
-                              "--set", f"data.output_dir={tmp_path / 'data'}", "--set", "data.max_new_tokens=64"),
-                          tmp_path / "demo.log", "Application 'peagle-target' is ready")  # fmt: skip
+    demo = start_and_wait(
+        cli(
+            "demo",
+            "--no-wait",
+            "--set",
+            f"target.path={tiny_target}",
+            "--set",
+            "target.max_model_len=256",
+            "--set",
+            "target.kv_cache_gib=1",
+            "--set",
+            f"tracking.port={mlflow_port}",
+            "--set",
+            f"training.storage_path={tmp_path / 'runs'}",
+            "--set",
+            f"data.output_dir={tmp_path / 'data'}",
+            "--set",
+            "data.max_new_tokens=64",
+        ),
+        tmp_path / "demo.log",
+        "Application 'peagle-target' is ready",
+    )
     assert not port_is_free(mlflow_port)  # the local MLflow server is up
     stop_and_check(demo, signal.SIGTERM, tmp_path / "demo.log")
     assert "[demo] stopping" in (tmp_path / "demo.log").read_text()

@@ -23,7 +23,10 @@ def test_tokenizer_round_trips_and_has_chat_template_and_mask(tiny_target):
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.mask_token == "<|MASK|>"
     rendered = tokenizer.apply_chat_template(PROMPTS[1], tokenize=False, add_generation_prompt=True)
-    assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat does a socket do?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        rendered
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat does a socket do?<|im_end|>\n<|im_start|>assistant\n"
+    )
     config = json.loads((tiny_target / "config.json").read_text())
     assert config["num_hidden_layers"] >= 4
     assert config["vocab_size"] > len(tokenizer)  # unused rows, as real targets have
@@ -34,8 +37,11 @@ def test_hf_and_vllm_greedy_decode_the_same_tokens(tiny_target):
     hf = [greedy_chat(tiny_target, messages, max_new_tokens=12) for messages in PROMPTS]
     result = subprocess.run(
         [sys.executable, str(REPO / "tests/helpers/vllm_greedy.py"), str(tiny_target), json.dumps(PROMPTS), "12"],
-        capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=vllm_cpu_env(1),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
     vllm_tokens = json.loads(line.removeprefix("RESULT "))

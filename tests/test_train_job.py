@@ -17,23 +17,46 @@ from peagle_ray.tracking import local_mlflow_server, run_status
 from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training, validation_subset
 from tests.helpers.browser import render_dom, render_until
 
-PROMPTS = ["Write a haiku about rain.", "What is a socket?", "Sort a list in Python.", "Name three colors.",
-           "Explain recursion briefly.", "Translate 'good morning' into French.", "What is 12 times 7?",
-           "Describe a cat in one sentence.", "Why is the sky blue?", "List two prime numbers."]  # fmt: skip
+PROMPTS = [
+    "Write a haiku about rain.",
+    "What is a socket?",
+    "Sort a list in Python.",
+    "Name three colors.",
+    "Explain recursion briefly.",
+    "Translate 'good morning' into French.",
+    "What is 12 times 7?",
+    "Describe a cat in one sentence.",
+    "Why is the sky blue?",
+    "List two prime numbers.",
+]
 K = 3
 
 
 def config(tmp, tiny_target, **training):
-    return build_config({
-        "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
-        "data": {"sources": [str(tmp / "prompts.txt")], "max_new_tokens": 24, "output_dir": str(tmp / "data"),
-                 "validation_fraction": 0.3},
-        "capture": {"mode": "offline", "output_dir": str(tmp / "hidden"), "batch_size": 8},
-        "drafter": {"num_depths": K, "draft_vocab_size": 300},
-        "training": {"num_workers": 2, "max_steps": 4, "validate_every": 2, "sequences_per_step": 1,
-                     "segment_length": 64, "storage_path": str(tmp / "train"), "epochs": 50, **training},
-        "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
-    })  # fmt: skip
+    return build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "data": {
+                "sources": [str(tmp / "prompts.txt")],
+                "max_new_tokens": 24,
+                "output_dir": str(tmp / "data"),
+                "validation_fraction": 0.3,
+            },
+            "capture": {"mode": "offline", "output_dir": str(tmp / "hidden"), "batch_size": 8},
+            "drafter": {"num_depths": K, "draft_vocab_size": 300},
+            "training": {
+                "num_workers": 2,
+                "max_steps": 4,
+                "validate_every": 2,
+                "sequences_per_step": 1,
+                "segment_length": 64,
+                "storage_path": str(tmp / "train"),
+                "epochs": 50,
+                **training,
+            },
+            "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +105,13 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
     handler = signal.getsignal(signal.SIGINT)
     first = run_training(config(workdir, tiny_target, run_name="e2e", max_steps=4))
     assert signal.getsignal(signal.SIGINT) is handler  # Ray Train's Ctrl-C handler does not outlive the run
-    metrics = ["train/loss", *[f"train/acc_depth_{d}" for d in range(K)], "val/acceptance_length",
-               *[f"val/acceptance_pos_{i}" for i in range(1, K + 1)], *[f"val/acc_depth_{d}" for d in range(K)]]  # fmt: skip
+    metrics = [
+        "train/loss",
+        *[f"train/acc_depth_{d}" for d in range(K)],
+        "val/acceptance_length",
+        *[f"val/acceptance_pos_{i}" for i in range(1, K + 1)],
+        *[f"val/acc_depth_{d}" for d in range(K)],
+    ]
     steps = {name: history(first, name) for name in metrics}
     assert steps["train/loss"] == [0, 1, 2, 3]
     assert all(steps[f"train/acc_depth_{d}"] == [0, 1, 2, 3] for d in range(K))
@@ -123,8 +151,17 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
 
 
 def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, tiny_target):
-    summary = run_training(config(workdir, tiny_target, run_name="crash", max_steps=6, crash_once_at_step=3,
-                                  max_failures=1, validation_records=1))  # fmt: skip
+    summary = run_training(
+        config(
+            workdir,
+            tiny_target,
+            run_name="crash",
+            max_steps=6,
+            crash_once_at_step=3,
+            max_failures=1,
+            validation_records=1,
+        )
+    )
     assert (workdir / "train" / "crash.crashed").read_text() == "crashed at step 3"
     assert history(summary, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(summary, "val/acceptance_length") == [1, 3, 5]
@@ -135,8 +172,10 @@ def test_a_run_that_fails_ends_failed_in_mlflow(workdir, tiny_target):
     with pytest.raises(Exception, match="injected failure at step 1"):
         run_training(cfg)
     client = MlflowClient(cfg.tracking.tracking_uri)
-    [run] = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                               filter_string="tags.`peagle.run_name` = 'fails'")  # fmt: skip
+    [run] = client.search_runs(
+        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+        filter_string="tags.`peagle.run_name` = 'fails'",
+    )
     assert run.info.status == "FAILED" and run.info.end_time is not None
 
 
@@ -149,7 +188,9 @@ def test_the_step_where_the_data_runs_out_is_validated_and_checkpointed(workdir,
     summary = run_training(config(workdir, tiny_target, run_name="epoch-end", max_steps=50, epochs=1, validate_every=3))
     assert history(summary, "train/loss") == list(range(steps))
     assert history(summary, "val/acceptance_length") == [*range(2, steps - 1, 3), steps - 1]
-    states = [json.loads(p.read_text())["step"] for p in (workdir / "train" / "epoch-end").glob("checkpoint_*/state.json")]
+    states = [
+        json.loads(p.read_text())["step"] for p in (workdir / "train" / "epoch-end").glob("checkpoint_*/state.json")
+    ]
     assert max(states) == steps  # the checkpoint after the last step: a resumed run starts past the data's end
 
 
@@ -205,20 +246,32 @@ def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(work
     from peagle_ray.config import with_values
 
     cfg = config(workdir, tiny_target)
-    result = learning.ablation(cfg, {"base": [], "frozen": ["drafter.freeze_lm_head=true"]}, steps=3,
-                               progress=lambda _line: None)  # fmt: skip
+    result = learning.ablation(
+        cfg, {"base": [], "frozen": ["drafter.freeze_lm_head=true"]}, steps=3, progress=lambda _line: None
+    )
     base, frozen = result["variants"]["base"], result["variants"]["frozen"]
     assert base["trainable_parameters"] - frozen["trainable_parameters"] == 300 * 96  # the DV x H head
     assert base["steps"] == 3 and base["train_tokens"] > 0 and base["val_al_gain_vs_baseline"] == 0
-    assert all(1 <= r["val_acceptance_length"] <= K + 1 and len(r["val_acceptance_per_position"]) == K
-               for r in result["variants"].values())  # fmt: skip
+    assert all(
+        1 <= r["val_acceptance_length"] <= K + 1 and len(r["val_acceptance_per_position"]) == K
+        for r in result["variants"].values()
+    )
 
-    curve_cfg = with_values(cfg, {"eval.suite": "mt-bench", "eval.prompts_per_category": 1, "eval.max_new_tokens": 8,
-                                  "target.max_model_len": 1024})  # fmt: skip
+    curve_cfg = with_values(
+        cfg,
+        {
+            "eval.suite": "mt-bench",
+            "eval.prompts_per_category": 1,
+            "eval.max_new_tokens": 8,
+            "target.max_model_len": 1024,
+        },
+    )
     curve = learning.learning_curve(curve_cfg, [2, 1], ["peagle"], workdir / "curve", progress=lambda _line: None)
     rows = curve["curves"]["peagle"]
     assert [r["steps"] for r in rows] == [1, 2] and rows[0]["train_tokens"] < rows[1]["train_tokens"]
-    assert all(1 <= r["suite_acceptance_length"] <= K + 1 and len(r["suite_acceptance_per_position"]) == K for r in rows)
+    assert all(
+        1 <= r["suite_acceptance_length"] <= K + 1 and len(r["suite_acceptance_per_position"]) == K for r in rows
+    )
     assert (workdir / "curve" / "learning_curve.png").stat().st_size > 0
 
     runs = learning.log_to_mlflow(cfg, curve, workdir / "curve")

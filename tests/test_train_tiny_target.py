@@ -29,8 +29,10 @@ def records(tiny_target):
     out = []
     for user, assistant in CONVERSATIONS:
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        render = lambda m, **kw: tokenizer(tokenizer.apply_chat_template(m, tokenize=False, **kw),  # noqa: E731
-                                           add_special_tokens=False)["input_ids"]  # fmt: skip
+        render = lambda m, **kw: tokenizer(
+            tokenizer.apply_chat_template(m, tokenize=False, **kw),  # noqa: E731
+            add_special_tokens=False,
+        )["input_ids"]
         prompt, full = render(messages[:1], add_generation_prompt=True), render(messages)
         ids = torch.tensor(full)
         loss_mask = torch.zeros(len(full), dtype=torch.bool)
@@ -41,11 +43,22 @@ def records(tiny_target):
 
 
 def make(tiny_target, records, **drafter):
-    cfg = build_config({"drafter": {"num_depths": 3, "draft_vocab_size": 64, **drafter},
-                        "training": {"learning_rate": 3e-3, "warmup_steps": 2, "max_steps": 12,
-                                     "segment_length": 40, "sequences_per_step": 2}})  # fmt: skip
+    cfg = build_config(
+        {
+            "drafter": {"num_depths": 3, "draft_vocab_size": 64, **drafter},
+            "training": {
+                "learning_rate": 3e-3,
+                "warmup_steps": 2,
+                "max_steps": 12,
+                "segment_length": 40,
+                "sequences_per_step": 2,
+            },
+        }
+    )
     counts = count_tokens([(ids, mask) for ids, mask, _, _ in records], read_target_info(tiny_target).vocab_size)
-    drafter_model, teacher, mask = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
+    drafter_model, teacher, mask = drafter_for_target(
+        tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0)
+    )
     return cfg, drafter_model, teacher, mask
 
 
@@ -56,7 +69,9 @@ def test_teacher_logits_are_the_targets_logits_on_draft_rows(tiny_target, record
     with torch.no_grad():
         target_logits = model(ids[None]).logits[0]
     draft_rows = torch.arange(64) + drafter.d2t
-    torch.testing.assert_close(teacher.normed(last) @ teacher.head.T, target_logits[:, draft_rows], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        teacher.normed(last) @ teacher.head.T, target_logits[:, draft_rows], atol=1e-4, rtol=1e-4
+    )
 
 
 def test_drafter_takes_embeddings_and_head_rows_from_the_target(tiny_target, records):
@@ -107,7 +122,9 @@ def test_pinned_loss_trajectory(tiny_target, records):
     """Fixed seeds, fixed init, fixed data: the first steps' losses are pinned (catches silent changes)."""
     cfg, drafter, teacher, _ = make(tiny_target, records)
     sequences = [TrainSequence.from_record(*r) for r in records]
-    history = train_loop(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1), steps=4)
+    history = train_loop(
+        drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1), steps=4
+    )
     assert [round(h.loss, 4) for h in history] == pytest.approx(PINNED, abs=2e-4)
 
 
@@ -139,7 +156,9 @@ def test_init_from_an_eagle3_export_copies_every_shared_tensor(tiny_target, reco
     assert "fc.weight" in copied and "mask_hidden" not in copied and "layers.0.self_attn.q_proj.weight" in copied
     assert torch.equal(peagle.fc.weight, eagle3.fc.weight) and torch.equal(peagle.mask_hidden, fresh_mask)
     other = build_config({"drafter": {"num_depths": 3, "draft_vocab_size": 64}})
-    shuffled, _, _ = drafter_for_target(tiny_target, other.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0))
+    shuffled, _, _ = drafter_for_target(
+        tiny_target, other.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0)
+    )
     with pytest.raises(ValueError, match="draft vocabulary differs"):
         load_initial_weights(shuffled, source)
     with pytest.raises(FileNotFoundError, match="training.init_from must be an exported drafter"):

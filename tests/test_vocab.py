@@ -64,9 +64,12 @@ def test_mask_token_falls_back_to_pad_then_errors(tokenizer):
     chosen = resolve_mask_token(tokenizer, full)
     assert (chosen.id, chosen.source) == (tokenizer.pad_token_id, "tokenizer pad token")
     tokenizer.pad_token = tokenizer.eos_token = tokenizer.unk_token = None
-    with pytest.raises(ValueError, match=r"no mask token could be chosen; tried drafter\.mask_token_id \(unset\), "
-                                         r"the tokenizer's mask token \(none\), an unused embedding row .*"
-                                         r"the unk token \(none\)\. Set drafter\.mask_token_id\."):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"no mask token could be chosen; tried drafter\.mask_token_id \(unset\), "
+        r"the tokenizer's mask token \(none\), an unused embedding row .*"
+        r"the unk token \(none\)\. Set drafter\.mask_token_id\.",
+    ):
         resolve_mask_token(tokenizer, full)
 
 

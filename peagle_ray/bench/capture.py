@@ -59,8 +59,15 @@ def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: i
     with tempfile.TemporaryDirectory() as tmp:
         seq_file = Path(tmp) / "sequences.json"
         seq_file.write_text(json.dumps(sequences))
-        cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(target_dir), cfg.target.dtype,
-               str(cfg.target.max_model_len), str(seq_file)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "peagle_ray.bench.capture",
+            str(target_dir),
+            cfg.target.dtype,
+            str(cfg.target.max_model_len),
+            str(seq_file),
+        ]
         child = subprocess.run(cmd, capture_output=True, text=True, env=target_engine_env(cfg.target))
         if child.returncode != 0:
             raise RuntimeError(f"prefill benchmark failed: {child.stderr[-2000:]}")
@@ -73,22 +80,30 @@ def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: i
             list(iter_records(warm.iter_rows(), BadRows(), desc="warm-up"))
             bad = BadRows()
             start = time.perf_counter()
-            ds = capture_dataset(samples, session.num_layers_captured, session.info.hidden_size,
-                                 cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+            ds = capture_dataset(
+                samples,
+                session.num_layers_captured,
+                session.info.hidden_size,
+                cfg.capture.batch_size,
+                cfg.capture.num_actors,
+            )
             records = list(iter_records(ds.iter_rows(), bad, total=len(samples)))
             capture_s = time.perf_counter() - start
         shard_dir = Path(tmp) / "shards"
         write_offline(records, shard_dir)
         shard_bytes = sum(p.stat().st_size for p in shard_dir.glob("*.safetensors"))
     return {
-        "target": str(target_dir), "sequences": num_sequences, "seq_len": seq_len,
+        "target": str(target_dir),
+        "sequences": num_sequences,
+        "seq_len": seq_len,
         "capture_tokens_per_s": round(tokens / capture_s, 1),
         "prefill_tokens_per_s": round(tokens / prefill_s, 1),
         "capture_over_prefill": round(prefill_s / capture_s, 3),
         "bytes_per_token_offline": round(shard_bytes / tokens, 1),
-        "bad_rows": dict(bad.counts), "capture_batch_size": cfg.capture.batch_size,
+        "bad_rows": dict(bad.counts),
+        "capture_batch_size": cfg.capture.batch_size,
         "capture_actors": cfg.capture.num_actors,
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -19,8 +19,16 @@ from peagle_ray.bench.shapes import bench_arch, random_drafter
 from peagle_ray.drafter.model import DraftCache
 
 
-def proposal_ms(algorithm: str, k: int, draft_vocab_size: int | None, context: int, repeats: int,
-                target: Path | None, dtype: torch.dtype, num_layers: int = 1) -> float:  # fmt: skip
+def proposal_ms(
+    algorithm: str,
+    k: int,
+    draft_vocab_size: int | None,
+    context: int,
+    repeats: int,
+    target: Path | None,
+    dtype: torch.dtype,
+    num_layers: int = 1,
+) -> float:
     arch = bench_arch(algorithm, k, draft_vocab_size, num_layers, target)
     drafter, _ = random_drafter(arch)
     drafter.to(dtype).eval()
@@ -38,14 +46,33 @@ def proposal_ms(algorithm: str, k: int, draft_vocab_size: int | None, context: i
     return 1000 * statistics.median(times[3:])  # first calls warm up allocators
 
 
-def run(draft_vocab_size: int | None = 32768, max_k: int = 8, context: int = 256, repeats: int = 30,
-        target: Path | None = None, num_layers: int = 1) -> dict:  # fmt: skip
+def run(
+    draft_vocab_size: int | None = 32768,
+    max_k: int = 8,
+    context: int = 256,
+    repeats: int = 30,
+    target: Path | None = None,
+    num_layers: int = 1,
+) -> dict:
     arch = bench_arch("peagle", 1, draft_vocab_size, num_layers, target)
-    result = {"hidden_size": arch.hidden_size, "layers": arch.num_layers, "draft_vocab_size": arch.draft_vocab_size,
-              "context": context, "threads": torch.get_num_threads(), "dtype": "bfloat16"}  # fmt: skip
+    result = {
+        "hidden_size": arch.hidden_size,
+        "layers": arch.num_layers,
+        "draft_vocab_size": arch.draft_vocab_size,
+        "context": context,
+        "threads": torch.get_num_threads(),
+        "dtype": "bfloat16",
+    }
     for key, dtype in (("ms", torch.bfloat16), ("ms_float32", torch.float32)):
-        ms = {a: {str(k): round(proposal_ms(a, k, draft_vocab_size, context, repeats, target, dtype, num_layers), 3)
-                  for k in range(1, max_k + 1)} for a in ("peagle", "eagle3")}  # fmt: skip
+        ms = {
+            a: {
+                str(k): round(proposal_ms(a, k, draft_vocab_size, context, repeats, target, dtype, num_layers), 3)
+                for k in range(1, max_k + 1)
+            }
+            for a in ("peagle", "eagle3")
+        }
         result[key] = ms
-        result[f"ratio_k{max_k}_over_k1" + key.removeprefix("ms")] = {a: round(ms[a][str(max_k)] / ms[a]["1"], 3) for a in ms}
+        result[f"ratio_k{max_k}_over_k1" + key.removeprefix("ms")] = {
+            a: round(ms[a][str(max_k)] / ms[a]["1"], 3) for a in ms
+        }
     return result

@@ -23,18 +23,26 @@ def run(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None
     from peagle_ray.target import resolve_target_path
 
     results = run_eval(cfg, resolve_target_path(cfg), drafters, k_values, write_k=False)
-    out = {"target": results["target"], "prompts_per_category": results["prompts_per_category"],
-           "timing_prompts_per_category": results["timing_prompts"], "max_new_tokens": results["max_new_tokens"],
-           "target_tokens_per_s": results["target_only"]["overall"]["tokens_per_s"],
-           "greedy_mismatches": results["greedy_mismatches"], "k_values": results["k_values"]}  # fmt: skip
+    out = {
+        "target": results["target"],
+        "prompts_per_category": results["prompts_per_category"],
+        "timing_prompts_per_category": results["timing_prompts"],
+        "max_new_tokens": results["max_new_tokens"],
+        "target_tokens_per_s": results["target_only"]["overall"]["tokens_per_s"],
+        "greedy_mismatches": results["greedy_mismatches"],
+        "k_values": results["k_values"],
+    }
     for algorithm in ("eagle3", "peagle"):
         if algorithm in results:
             best = results[algorithm]["best"]["overall"]
-            out[algorithm] = {"k": best["k"], "tokens_per_s": best["tokens_per_s"],
-                              "acceptance_length": best["acceptance_length"], "speedup": best["speedup"],
-                              "step_cost_vs_target": best["step_cost_vs_target"],
-                              "tokens_per_s_by_k": {k: r["overall"]["tokens_per_s"]
-                                                    for k, r in results[algorithm]["by_k"].items()}}  # fmt: skip
+            out[algorithm] = {
+                "k": best["k"],
+                "tokens_per_s": best["tokens_per_s"],
+                "acceptance_length": best["acceptance_length"],
+                "speedup": best["speedup"],
+                "step_cost_vs_target": best["step_cost_vs_target"],
+                "tokens_per_s_by_k": {k: r["overall"]["tokens_per_s"] for k, r in results[algorithm]["by_k"].items()},
+            }
     goals = {}
     if "peagle" in out:
         ours = out["peagle"]
@@ -52,6 +60,11 @@ def goal(measured: float | None, target: float, peagle: dict, baseline_speedup: 
     1.4 vs the target alone (baseline_speedup 1.0) -> AL 2.52 needed."""
     cost = peagle["step_cost_vs_target"]
     needed = round(target * cost * baseline_speedup, 3) if cost and baseline_speedup else None
-    return {"measured": measured, "goal": target, "met": (measured or 0) >= target,
-            "acceptance_length": peagle["acceptance_length"], "acceptance_length_needed": needed,
-            "max_acceptance_length": peagle["k"] + 1}  # fmt: skip
+    return {
+        "measured": measured,
+        "goal": target,
+        "met": (measured or 0) >= target,
+        "acceptance_length": peagle["acceptance_length"],
+        "acceptance_length_needed": needed,
+        "max_acceptance_length": peagle["k"] + 1,
+    }

@@ -43,13 +43,21 @@ def split_records(cfg: PeagleConfig, max_validation: int | None) -> tuple[list[d
     if not train:
         raise ValueError(f"capture.output_dir = {cfg.capture.output_dir} holds no training records")
     if not validation:
-        raise ValueError(f"capture.output_dir = {cfg.capture.output_dir} holds no validation records; "
-                         f"raise data.validation_fraction (got {cfg.data.validation_fraction}) and prepare again")  # fmt: skip
+        raise ValueError(
+            f"capture.output_dir = {cfg.capture.output_dir} holds no validation records; "
+            f"raise data.validation_fraction (got {cfg.data.validation_fraction}) and prepare again"
+        )
     return train, validation
 
 
-def train_and_measure(cfg: PeagleConfig, train: list[dict], validation: list[dict], budgets: list[int],
-                      measure: Callable[[object, int], dict] | None = None, progress: Progress = print) -> list[dict]:  # fmt: skip
+def train_and_measure(
+    cfg: PeagleConfig,
+    train: list[dict],
+    validation: list[dict],
+    budgets: list[int],
+    measure: Callable[[object, int], dict] | None = None,
+    progress: Progress = print,
+) -> list[dict]:
     """Train one drafter for max(budgets) steps (cfg.training.max_steps is set to that by the caller), cycling
     through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
     `measure(drafter, steps)` for extra figures, and append a row."""
@@ -60,9 +68,14 @@ def train_and_measure(cfg: PeagleConfig, train: list[dict], validation: list[dic
 
     inputs = check_inputs(cfg)
     tcfg = cfg.training
-    drafter, teacher, _ = drafter_for_target(inputs["info"].path, cfg.drafter, read_token_counts(cfg.data.output_dir),
-                                             len(inputs["aux_layer_ids"]), torch.Generator().manual_seed(tcfg.seed),
-                                             init_from=tcfg.init_from)  # fmt: skip
+    drafter, teacher, _ = drafter_for_target(
+        inputs["info"].path,
+        cfg.drafter,
+        read_token_counts(cfg.data.output_dir),
+        len(inputs["aux_layer_ids"]),
+        torch.Generator().manual_seed(tcfg.seed),
+        init_from=tcfg.init_from,
+    )
     optimizer, scheduler = make_optimizer(drafter, tcfg)
     generator = torch.Generator().manual_seed(tcfg.seed + 1)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -77,13 +90,20 @@ def train_and_measure(cfg: PeagleConfig, train: list[dict], validation: list[dic
             continue
         val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed))
         k = cfg.drafter.num_depths
-        row = {"steps": step + 1, "train_tokens": tokens, "epochs": round((step + 1) * per_step / len(train), 2),
-               "train_seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
-               "trainable_parameters": trainable, "train_loss": round(stats.loss, 4),
-               "val_acceptance_length": round(val["val/acceptance_length"], 4),
-               "val_acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
-               "val_acc_by_depth": [round(val.get(f"val/acc_depth_{d}", math.nan), 4)
-                                    for d in range(cfg.drafter.trained_depths)]}  # fmt: skip
+        row = {
+            "steps": step + 1,
+            "train_tokens": tokens,
+            "epochs": round((step + 1) * per_step / len(train), 2),
+            "train_seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "trainable_parameters": trainable,
+            "train_loss": round(stats.loss, 4),
+            "val_acceptance_length": round(val["val/acceptance_length"], 4),
+            "val_acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
+            "val_acc_by_depth": [
+                round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(cfg.drafter.trained_depths)
+            ],
+        }
         if measure is not None:
             row.update(measure(drafter, step + 1))
         progress(json.dumps({"algorithm": cfg.drafter.algorithm, **row}))
@@ -95,8 +115,7 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, int], 
     """measure(drafter, steps): export the drafter and read stock vLLM's acceptance on eval.suite (greedy,
     eval.max_new_tokens, eval.prompts_per_category per category, K = drafter.num_depths)."""
     from peagle_ray.eval.sweep import eval_prompts, run_engine
-    from peagle_ray.export.speculators import export_drafter
-    from peagle_ray.serve.app import read_drafter, speculative_config
+    from peagle_ray.export.speculators import export_drafter, read_drafter, speculative_config
     from peagle_ray.serve.stats import SpecStats
     from peagle_ray.train.job import check_inputs
 
@@ -106,22 +125,36 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, int], 
     k = cfg.drafter.num_depths
 
     def measure(drafter, steps: int) -> dict:
-        out = export_drafter(drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs["aux_layer_ids"], k)
+        out = export_drafter(
+            drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs["aux_layer_ids"], k
+        )
         run = run_engine(cfg, target_dir, speculative_config(read_drafter(out), k), prompts, timing_prompts=0)
         counters = sum((SpecStats(**c["counters"]) for c in run["acceptance"].values()), SpecStats())
-        return {"suite_acceptance_length": round(counters.acceptance_length, 4),
-                "suite_acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position]}  # fmt: skip
+        return {
+            "suite_acceptance_length": round(counters.acceptance_length, 4),
+            "suite_acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
+        }
 
     return measure
 
 
-def ablation(cfg: PeagleConfig, variants: dict[str, list[str]], steps: int, max_validation: int | None = 32,
-             progress: Progress = print) -> dict:  # fmt: skip
+def ablation(
+    cfg: PeagleConfig,
+    variants: dict[str, list[str]],
+    steps: int,
+    max_validation: int | None = 32,
+    progress: Progress = print,
+) -> dict:
     """One run per variant ({name: ["section.field=value", ...]}, values parsed as YAML), the first being the
     baseline."""
     train, validation = split_records(cfg, max_validation)
-    result = {"steps": steps, "baseline": next(iter(variants)), "train_records": len(train),
-              "validation_records": len(validation), "variants": {}}  # fmt: skip
+    result = {
+        "steps": steps,
+        "baseline": next(iter(variants)),
+        "train_records": len(train),
+        "validation_records": len(validation),
+        "variants": {},
+    }
     for name, overrides in variants.items():
         variant = with_values(with_overrides(cfg, overrides), {"training.max_steps": steps})
         (row,) = train_and_measure(variant, train, validation, [steps], progress=progress)
@@ -132,13 +165,24 @@ def ablation(cfg: PeagleConfig, variants: dict[str, list[str]], steps: int, max_
     return result
 
 
-def learning_curve(cfg: PeagleConfig, budgets: list[int], algorithms: list[str], work_dir: Path,
-                   max_validation: int | None = 32, progress: Progress = print) -> dict:  # fmt: skip
+def learning_curve(
+    cfg: PeagleConfig,
+    budgets: list[int],
+    algorithms: list[str],
+    work_dir: Path,
+    max_validation: int | None = 32,
+    progress: Progress = print,
+) -> dict:
     """Per algorithm one run to max(budgets), measured at each budget (validation, and eval.suite via vLLM)."""
     budgets = sorted(set(budgets))
     train, validation = split_records(cfg, max_validation)
-    result = {"budgets": budgets, "suite": cfg.eval.suite, "train_records": len(train),
-              "validation_records": len(validation), "curves": {}}  # fmt: skip
+    result = {
+        "budgets": budgets,
+        "suite": cfg.eval.suite,
+        "train_records": len(train),
+        "validation_records": len(validation),
+        "curves": {},
+    }
     for algorithm in algorithms:
         run_cfg = with_values(cfg, {"drafter.algorithm": algorithm, "training.max_steps": max(budgets)})
         measure = suite_measure(run_cfg, work_dir / "exports") if cfg.eval.suite != "validation" else None
@@ -159,10 +203,20 @@ def plot_curve(result: dict, path: Path) -> Path:
         tokens = [r["train_tokens"] for r in rows]
         line = ax.plot(tokens, [r["val_acceptance_length"] for r in rows], marker="o", label=f"{algorithm} validation")
         if rows and "suite_acceptance_length" in rows[0]:
-            ax.plot(tokens, [r["suite_acceptance_length"] for r in rows], marker="s", linestyle="--",
-                    color=line[0].get_color(), label=f"{algorithm} {result['suite']}")  # fmt: skip
-    ax.set(xscale="log", xlabel="training tokens (base positions)", ylabel="acceptance length (AL)",
-           title="Drafter learning curve")  # fmt: skip
+            ax.plot(
+                tokens,
+                [r["suite_acceptance_length"] for r in rows],
+                marker="s",
+                linestyle="--",
+                color=line[0].get_color(),
+                label=f"{algorithm} {result['suite']}",
+            )
+    ax.set(
+        xscale="log",
+        xlabel="training tokens (base positions)",
+        ylabel="acceptance length (AL)",
+        title="Drafter learning curve",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -181,9 +235,18 @@ def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path) -> dict[str, 
     with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
         if "variants" in result:
             for name, row in result["variants"].items():
-                runs[name] = log_rows(uri, cfg, f"ablation-{name}", [row], "steps", "ablation",
-                                      [work_dir / "result.json"], work_dir)  # fmt: skip
+                runs[name] = log_rows(
+                    uri, cfg, f"ablation-{name}", [row], "steps", "ablation", [work_dir / "result.json"], work_dir
+                )
         for algorithm, rows in result.get("curves", {}).items():
-            runs[algorithm] = log_rows(uri, cfg, f"curve-{algorithm}", rows, "train_tokens", "curve",
-                                       [Path(result["plot"]), work_dir / "result.json"], work_dir)  # fmt: skip
+            runs[algorithm] = log_rows(
+                uri,
+                cfg,
+                f"curve-{algorithm}",
+                rows,
+                "train_tokens",
+                "curve",
+                [Path(result["plot"]), work_dir / "result.json"],
+                work_dir,
+            )
     return runs

@@ -24,8 +24,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, int(-(-q * len(ordered) // 1)) - 1))]
 
 
-async def _load(url: str, model: str, token: str | None, prompts: list[str], clients: int, requests_per_client: int,
-                max_tokens: int) -> dict:  # fmt: skip
+async def _load(
+    url: str, model: str, token: str | None, prompts: list[str], clients: int, requests_per_client: int, max_tokens: int
+) -> dict:
     import openai
 
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=token or "none", max_retries=0, timeout=600)
@@ -37,8 +38,9 @@ async def _load(url: str, model: str, token: str | None, prompts: list[str], cli
             prompt = prompts[(index * requests_per_client + r) % len(prompts)]
             start = time.perf_counter()
             try:
-                result = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                           max_tokens=max_tokens, temperature=0)  # fmt: skip
+                result = await api.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+                )
             except openai.OpenAIError as err:
                 errors.append(f"{type(err).__name__}: {err}"[:200])
                 continue
@@ -49,23 +51,39 @@ async def _load(url: str, model: str, token: str | None, prompts: list[str], cli
     await asyncio.gather(*(client(i) for i in range(clients)))
     wall = time.perf_counter() - started
     await api.close()
-    return {"clients": clients, "requests": clients * requests_per_client, "errors": len(errors),
-            "error_examples": errors[:3], "p50_latency_s": round(percentile(latencies, 0.5), 3) if latencies else None,
-            "p99_latency_s": round(percentile(latencies, 0.99), 3) if latencies else None,
-            "mean_latency_s": round(statistics.mean(latencies), 3) if latencies else None,
-            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 1)}  # fmt: skip
+    return {
+        "clients": clients,
+        "requests": clients * requests_per_client,
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "p50_latency_s": round(percentile(latencies, 0.5), 3) if latencies else None,
+        "p99_latency_s": round(percentile(latencies, 0.99), 3) if latencies else None,
+        "mean_latency_s": round(statistics.mean(latencies), 3) if latencies else None,
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 2),
+        "wall_s": round(wall, 1),
+    }
 
 
 def load_prompts() -> list[str]:
     """User turns of the built-in suite's validation prompts."""
     from peagle_ray.data.suite import builtin_conversations
 
-    return [next(m["content"] for m in c.messages if m["role"] == "user")
-            for c in builtin_conversations() if c.split == "validation"]  # fmt: skip
+    return [
+        next(m["content"] for m in c.messages if m["role"] == "user")
+        for c in builtin_conversations()
+        if c.split == "validation"
+    ]
 
 
-def run(cfg: PeagleConfig, url: str | None, clients: int = 32, requests_per_client: int = 2, max_tokens: int = 64,
-        drafter_dir=None) -> dict:  # fmt: skip
+def run(
+    cfg: PeagleConfig,
+    url: str | None,
+    clients: int = 32,
+    requests_per_client: int = 2,
+    max_tokens: int = 64,
+    drafter_dir=None,
+) -> dict:
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
@@ -78,10 +96,13 @@ def run(cfg: PeagleConfig, url: str | None, clients: int = 32, requests_per_clie
         drafter = Path(drafter_dir) if drafter_dir else default_drafter_dir(cfg)
         url = start_endpoint(cfg, target, drafter if (drafter / "config.json").is_file() else None)
     try:
-        result = asyncio.run(_load(url, target.name, cfg.serving.api_token, load_prompts(), clients,
-                                   requests_per_client, max_tokens))  # fmt: skip
-        request = urllib.request.Request(f"{url}/v1/speculative_stats", headers=(
-            {"Authorization": f"Bearer {cfg.serving.api_token}"} if cfg.serving.api_token else {}))  # fmt: skip
+        result = asyncio.run(
+            _load(url, target.name, cfg.serving.api_token, load_prompts(), clients, requests_per_client, max_tokens)
+        )
+        request = urllib.request.Request(
+            f"{url}/v1/speculative_stats",
+            headers=({"Authorization": f"Bearer {cfg.serving.api_token}"} if cfg.serving.api_token else {}),
+        )
         with urllib.request.urlopen(request, timeout=30) as resp:
             result["speculative_stats"] = json.loads(resp.read())
     finally:

@@ -11,8 +11,9 @@ import time
 
 import torch
 
+from peagle_ray.drafter.elements import attention_mask
 from peagle_ray.train.elements import cod_sample
-from peagle_ray.train.masks import AmortizedMask, attention_mask
+from peagle_ray.train.masks import AmortizedMask
 
 
 def _median_ms(fn, lengths) -> float:
@@ -40,8 +41,15 @@ def run(max_positions: tuple[int, ...] = (1024, 2048, 4096), num_depths: int = 4
 
         rebuilt_ms = _median_ms(rebuilt, lengths)
         amortized_ms = _median_ms(lambda n: amortized.for_length(n), lengths)
-        rows.append({"max_positions": n_max, "depths": num_depths, "elements_at_max": len(amortized.elements),
-                     "one_time_build_ms": round(build_ms, 3), "rebuilt_ms_per_step": round(rebuilt_ms, 3),
-                     "amortized_ms_per_step": round(amortized_ms, 4),
-                     "speedup": round(rebuilt_ms / max(amortized_ms, 1e-6), 1)})  # fmt: skip
+        rows.append(
+            {
+                "max_positions": n_max,
+                "depths": num_depths,
+                "elements_at_max": len(amortized.elements),
+                "one_time_build_ms": round(build_ms, 3),
+                "rebuilt_ms_per_step": round(rebuilt_ms, 3),
+                "amortized_ms_per_step": round(amortized_ms, 4),
+                "speedup": round(rebuilt_ms / max(amortized_ms, 1e-6), 1),
+            }
+        )
     return {"rows": rows}

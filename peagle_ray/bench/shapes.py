@@ -9,24 +9,39 @@ import torch
 from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.build import arch_from_target
 from peagle_ray.drafter.model import Drafter, DrafterArch
+from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.target import read_target_info
-from peagle_ray.train.loss import Teacher
 
 # SmolLM2-135M-Instruct (config.json of the embedded target)
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                     vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5)  # fmt: skip
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
 
 
-def bench_arch(algorithm: str, num_depths: int, draft_vocab_size: int | None, num_layers: int = 1,
-               target: Path | None = None) -> DrafterArch:  # fmt: skip
+def bench_arch(
+    algorithm: str, num_depths: int, draft_vocab_size: int | None, num_layers: int = 1, target: Path | None = None
+) -> DrafterArch:
     """A drafter arch with the SmolLM2 shape (or `target`'s), 3 aux layers, mask token = last row."""
     if target is not None:
         cfg = DrafterConfig(algorithm=algorithm, num_depths=num_depths, num_layers=num_layers)
         return arch_from_target(target, cfg, draft_vocab_size, read_target_info(target).vocab_size - 1, 3)
     vocab = SMOLLM2_SHAPE["vocab_size"]
-    return DrafterArch(algorithm=algorithm, num_depths=num_depths, num_layers=num_layers, num_aux=3,
-                       draft_vocab_size=draft_vocab_size or vocab,
-                       mask_token_id=vocab - 1 if algorithm == "peagle" else None, **SMOLLM2_SHAPE)  # fmt: skip
+    return DrafterArch(
+        algorithm=algorithm,
+        num_depths=num_depths,
+        num_layers=num_layers,
+        num_aux=3,
+        draft_vocab_size=draft_vocab_size or vocab,
+        mask_token_id=vocab - 1 if algorithm == "peagle" else None,
+        **SMOLLM2_SHAPE,
+    )
 
 
 def random_drafter(arch: DrafterArch, seed: int = 0) -> tuple[Drafter, Teacher]:
@@ -37,6 +52,9 @@ def random_drafter(arch: DrafterArch, seed: int = 0) -> tuple[Drafter, Teacher]:
         for param in drafter.parameters():
             if param.ndim >= 2 or param.shape[-1] == arch.num_aux * arch.hidden_size:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.02)
-    teacher = Teacher(torch.ones(arch.hidden_size), torch.randn(arch.draft_vocab_size, arch.hidden_size, generator=g) * 0.02,
-                      arch.rms_norm_eps)  # fmt: skip
+    teacher = Teacher(
+        torch.ones(arch.hidden_size),
+        torch.randn(arch.draft_vocab_size, arch.hidden_size, generator=g) * 0.02,
+        arch.rms_norm_eps,
+    )
     return drafter, teacher

@@ -49,11 +49,14 @@ def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int
     def record(i: int, split: str, length: int) -> dict:
         loss_mask = torch.ones(length, dtype=torch.int8)
         loss_mask[:2] = 0
-        return {"sample_id": f"bench-{i}", "split": split,
-                "input_ids": torch.randint(0, info.vocab_size, (length,), generator=g),
-                "loss_mask": loss_mask,
-                "aux_hidden": torch.randn(length, aux_layers * info.hidden_size, generator=g),
-                "last_hidden": torch.randn(length, info.hidden_size, generator=g)}  # fmt: skip
+        return {
+            "sample_id": f"bench-{i}",
+            "split": split,
+            "input_ids": torch.randint(0, info.vocab_size, (length,), generator=g),
+            "loss_mask": loss_mask,
+            "aux_hidden": torch.randn(length, aux_layers * info.hidden_size, generator=g),
+            "last_hidden": torch.randn(length, info.hidden_size, generator=g),
+        }
 
     rows = [record(i, "train", seq_len) for i in range(records)] + [record(records, "validation", 128)]
     write_offline(rows, work / "hidden", shard_size=8)
@@ -62,17 +65,20 @@ def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int
     counts = torch.ones(info.vocab_size, dtype=torch.long)  # uniform: the draft vocabulary is any top-DV
     save_file({"counts": counts}, str(data / TOKEN_COUNTS))
     tokens = records * seq_len + 128
-    (data / "summary.json").write_text(json.dumps({"samples": {"train": records, "validation": 1}, "tokens": tokens,
-                                                   "bad_rows": {}, "bad_row_examples": {}}))  # fmt: skip
+    (data / "summary.json").write_text(
+        json.dumps(
+            {"samples": {"train": records, "validation": 1}, "tokens": tokens, "bad_rows": {}, "bad_row_examples": {}}
+        )
+    )
 
 
-def run(cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, seq_len: int = 1024,
-        progress=print) -> dict:  # fmt: skip
+def run(
+    cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, seq_len: int = 1024, progress=print
+) -> dict:
     import ray
     from mlflow.tracking import MlflowClient
 
     from peagle_ray.capture.run import ensure_ray
-
     from peagle_ray.config import with_values
     from peagle_ray.target import resolve_target_path
     from peagle_ray.train.job import run_training
@@ -87,32 +93,64 @@ def run(cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, se
         synthetic_inputs(work, target_dir, aux, steps * max(workers), seq_len)
         uri = f"sqlite:///{work / 'mlflow.db'}"
         for n in workers:
-            run_cfg = with_values(cfg, {
-                "capture.mode": "offline", "capture.output_dir": str(work / "hidden"),
-                "data.output_dir": str(work / "data"), "training.num_workers": n, "training.max_steps": steps,
-                "training.validate_every": steps, "training.sequences_per_step": 1, "training.log_every": 1,
-                "training.cpus_per_worker": max(1, cpus // n), "training.storage_path": str(work / "runs"), "training.run_name": f"bench-{n}-workers",
-                "tracking.tracking_uri": uri, "tracking.registered_model": None})  # fmt: skip
+            run_cfg = with_values(
+                cfg,
+                {
+                    "capture.mode": "offline",
+                    "capture.output_dir": str(work / "hidden"),
+                    "data.output_dir": str(work / "data"),
+                    "training.num_workers": n,
+                    "training.max_steps": steps,
+                    "training.validate_every": steps,
+                    "training.sequences_per_step": 1,
+                    "training.log_every": 1,
+                    "training.cpus_per_worker": max(1, cpus // n),
+                    "training.storage_path": str(work / "runs"),
+                    "training.run_name": f"bench-{n}-workers",
+                    "tracking.tracking_uri": uri,
+                    "tracking.registered_model": None,
+                },
+            )
             progress(f"[bench train] {n} worker(s): {steps} steps of {seq_len} positions per worker")
             started = time.perf_counter()
             summary = run_training(run_cfg)
             wall = time.perf_counter() - started
             client = MlflowClient(uri)
-            history = lambda name: [m.value for m in sorted(client.get_metric_history(summary["run_id"], name),  # noqa: E731
-                                                            key=lambda m: m.step)]  # fmt: skip
+            history = lambda name: [
+                m.value
+                for m in sorted(
+                    client.get_metric_history(summary["run_id"], name),  # noqa: E731
+                    key=lambda m: m.step,
+                )
+            ]
             speed = history("train/tokens_per_s")[1:] or history("train/tokens_per_s")
             tokens_per_s = statistics.median(speed)
-            results.append({"workers": n, "cpus_per_worker": max(1, cpus // n), "tokens_per_s": round(tokens_per_s, 1),
-                            "tokens_per_s_per_worker": round(tokens_per_s / n, 1),
-                            "peak_memory_mb_per_worker": round(max(history("train/peak_memory_mb")), 1),
-                            "elements_per_step_per_worker": statistics.median(history("train/elements")),
-                            "job_wall_s": round(wall, 1)})  # fmt: skip
+            results.append(
+                {
+                    "workers": n,
+                    "cpus_per_worker": max(1, cpus // n),
+                    "tokens_per_s": round(tokens_per_s, 1),
+                    "tokens_per_s_per_worker": round(tokens_per_s / n, 1),
+                    "peak_memory_mb_per_worker": round(max(history("train/peak_memory_mb")), 1),
+                    "elements_per_step_per_worker": statistics.median(history("train/elements")),
+                    "job_wall_s": round(wall, 1),
+                }
+            )
             progress(f"[bench train] {n} worker(s): {results[-1]}")
     by_workers = {r["workers"]: r for r in results}
     scaling = (by_workers[2]["tokens_per_s"] / by_workers[1]["tokens_per_s"]) if {1, 2} <= by_workers.keys() else None
-    return {"benchmark": "train", "target": str(target_dir), "algorithm": cfg.drafter.algorithm,
-            "num_depths": cfg.drafter.num_depths, "draft_vocab_size": cfg.drafter.draft_vocab_size,
-            "num_layers": cfg.drafter.num_layers, "seq_len": seq_len, "steps": steps,
-            "segment_length": cfg.training.segment_length, "precision": cfg.training.precision,
-            "results": results, "two_worker_speedup": None if scaling is None else round(scaling, 2),
-            "peer_trainer": PEER_TRAINER}  # fmt: skip
+    return {
+        "benchmark": "train",
+        "target": str(target_dir),
+        "algorithm": cfg.drafter.algorithm,
+        "num_depths": cfg.drafter.num_depths,
+        "draft_vocab_size": cfg.drafter.draft_vocab_size,
+        "num_layers": cfg.drafter.num_layers,
+        "seq_len": seq_len,
+        "steps": steps,
+        "segment_length": cfg.training.segment_length,
+        "precision": cfg.training.precision,
+        "results": results,
+        "two_worker_speedup": None if scaling is None else round(scaling, 2),
+        "peer_trainer": PEER_TRAINER,
+    }

@@ -31,21 +31,38 @@ from peagle_ray.train.step import sequence_backward
 
 UNPARTITIONED = 10**9  # a segment length no sequence reaches
 # (N, K) -> base tokens/s of the speculators 0.9 trainer, SmolLM2 shape, DV 32768, fp32 (None: out of memory)
-REFERENCE_TOKENS_PER_S = {(1024, 4): 364.0, (1024, 8): 278.0, (2048, 4): 329.0, (2048, 8): 174.0,
-                          (4096, 8): 114.0, (8192, 4): None, (8192, 8): None}  # fmt: skip
+REFERENCE_TOKENS_PER_S = {
+    (1024, 4): 364.0,
+    (1024, 8): 278.0,
+    (2048, 4): 329.0,
+    (2048, 8): 174.0,
+    (4096, 8): 114.0,
+    (8192, 4): None,
+    (8192, 8): None,
+}
 
 
-def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, draft_vocab_size: int,
-             freeze_lm_head: bool = False, bf16: bool = False) -> dict:  # fmt: skip
+def one_step(
+    seq_len: int,
+    depths: int,
+    partitioned: bool,
+    segment_length: int,
+    draft_vocab_size: int,
+    freeze_lm_head: bool = False,
+    bf16: bool = False,
+) -> dict:
     """Run in the child process: two steps, report the second's time and the process's peak RSS."""
     arch = bench_arch("peagle", depths, draft_vocab_size)
     drafter, teacher = random_drafter(arch)
     drafter.lm_head.weight.requires_grad_(not freeze_lm_head)
     g = torch.Generator().manual_seed(0)
     t = seq_len + 1
-    seq = TrainSequence.from_record(torch.randint(0, arch.vocab_size - 1, (t,), generator=g), torch.ones(t),
-                                    torch.randn(t, 3 * arch.hidden_size, generator=g),
-                                    torch.randn(t, arch.hidden_size, generator=g))  # fmt: skip
+    seq = TrainSequence.from_record(
+        torch.randint(0, arch.vocab_size - 1, (t,), generator=g),
+        torch.ones(t),
+        torch.randn(t, 3 * arch.hidden_size, generator=g),
+        torch.randn(t, arch.hidden_size, generator=g),
+    )
     seq = TrainSequence(seq.tokens, seq.hidden, seq.teacher_hidden, torch.ones(seq_len, dtype=torch.bool), seq.doc_ids)
     cfg = DrafterConfig(num_depths=depths)
     timings = []
@@ -53,13 +70,21 @@ def one_step(seq_len: int, depths: int, partitioned: bool, segment_length: int, 
         elements = cod_sample(seq.supervised, seq.doc_ids, depths, cfg.cod_keep_ratio, cfg.cod_min_ratio, g)
         drafter.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        stats = sequence_backward(drafter, teacher, seq, elements, segment_length if partitioned else UNPARTITIONED, None,
-                                  bf16=bf16)  # fmt: skip
+        stats = sequence_backward(
+            drafter, teacher, seq, elements, segment_length if partitioned else UNPARTITIONED, None, bf16=bf16
+        )
         timings.append(time.perf_counter() - start)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seq_len": seq_len, "depths": depths, "partitioned": partitioned, "elements": stats.elements,
-            "segments": stats.segments, "peak_rss_mb": round(peak_mb, 1),
-            "tokens_per_s": round(seq_len / timings[-1], 1), "step_s": round(timings[-1], 3)}  # fmt: skip
+    return {
+        "seq_len": seq_len,
+        "depths": depths,
+        "partitioned": partitioned,
+        "elements": stats.elements,
+        "segments": stats.segments,
+        "peak_rss_mb": round(peak_mb, 1),
+        "tokens_per_s": round(seq_len / timings[-1], 1),
+        "step_s": round(timings[-1], 3),
+    }
 
 
 def _run_child(args: list[str], memory_limit_gb: float) -> dict:
@@ -83,23 +108,47 @@ def _run_child(args: list[str], memory_limit_gb: float) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(seq_lens=(1024, 2048, 4096, 8192), depths=(4, 8), segment_length: int = 2048, draft_vocab_size: int = 32768,
-        memory_limit_gb: float = 18.0, progress=print, freeze_lm_head: bool = False, bf16: bool = False) -> dict:  # fmt: skip
+def run(
+    seq_lens=(1024, 2048, 4096, 8192),
+    depths=(4, 8),
+    segment_length: int = 2048,
+    draft_vocab_size: int = 32768,
+    memory_limit_gb: float = 18.0,
+    progress=print,
+    freeze_lm_head: bool = False,
+    bf16: bool = False,
+) -> dict:
     rows = []
     for n in seq_lens:
         for k in depths:
             for partitioned in (True, False):
-                args = [str(n), str(k), str(int(partitioned)), str(segment_length), str(draft_vocab_size),
-                        str(int(freeze_lm_head)), str(int(bf16))]  # fmt: skip
+                args = [
+                    str(n),
+                    str(k),
+                    str(int(partitioned)),
+                    str(segment_length),
+                    str(draft_vocab_size),
+                    str(int(freeze_lm_head)),
+                    str(int(bf16)),
+                ]
                 row = {"seq_len": n, "depths": k, "partitioned": partitioned, **_run_child(args, memory_limit_gb)}
-                reference = REFERENCE_TOKENS_PER_S.get((n, k), "not measured") if draft_vocab_size == 32768 else "not measured"
+                reference = (
+                    REFERENCE_TOKENS_PER_S.get((n, k), "not measured") if draft_vocab_size == 32768 else "not measured"
+                )
                 row["reference_tokens_per_s"] = reference
                 if isinstance(reference, float) and row.get("tokens_per_s"):
                     row["vs_reference"] = round(row["tokens_per_s"] / reference, 3)
                 progress(json.dumps(row))
                 rows.append(row)
-    return {"hidden_size": 576, "layers": 1, "draft_vocab_size": draft_vocab_size, "segment_length": segment_length,
-            "freeze_lm_head": freeze_lm_head, "precision": "bfloat16" if bf16 else "float32", "rows": rows}  # fmt: skip
+    return {
+        "hidden_size": 576,
+        "layers": 1,
+        "draft_vocab_size": draft_vocab_size,
+        "segment_length": segment_length,
+        "freeze_lm_head": freeze_lm_head,
+        "precision": "bfloat16" if bf16 else "float32",
+        "rows": rows,
+    }
 
 
 if __name__ == "__main__":

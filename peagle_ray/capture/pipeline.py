@@ -40,8 +40,9 @@ class BadCapture(Exception):
         self.reason = reason
 
 
-def validate_capture(input_ids: np.ndarray, captured: dict[str, torch.Tensor], num_layers: int,
-                     hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def validate_capture(
+    input_ids: np.ndarray, captured: dict[str, torch.Tensor], num_layers: int, hidden_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux (T, A), last (T, H)) from a capture of `input_ids`, or BadCapture naming what is wrong."""
     hidden, token_ids = captured["hidden_states"], captured["token_ids"]
     t = len(input_ids)
@@ -67,8 +68,15 @@ class CaptureStage:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         responses = [self.handle.capture.remote(ids.tolist()) for ids in batch["input_ids"]]
         aux_width = (self.num_layers - 1) * self.hidden_size
-        out = {"sample_id": [], "split": [], "input_ids": [], "loss_mask": [], "aux_hidden": [], "last_hidden": [],
-               "error": []}  # fmt: skip
+        out = {
+            "sample_id": [],
+            "split": [],
+            "input_ids": [],
+            "loss_mask": [],
+            "aux_hidden": [],
+            "last_hidden": [],
+            "error": [],
+        }
         for i, response in enumerate(responses):
             ids = batch["input_ids"][i]
             try:
@@ -90,13 +98,21 @@ class CaptureStage:
         return out
 
 
-def capture_dataset(samples: Iterable[TokenizedSample], num_layers: int, hidden_size: int, batch_size: int,
-                    num_actors: int):  # fmt: skip
+def capture_dataset(
+    samples: Iterable[TokenizedSample], num_layers: int, hidden_size: int, batch_size: int, num_actors: int
+):
     """A lazy, streaming Ray Dataset of captured rows (error rows included; see iter_records)."""
     import ray
 
-    items = [{"sample_id": s.sample_id, "split": s.split, "input_ids": np.asarray(s.input_ids, dtype=np.int64),
-              "loss_mask": np.asarray(s.loss_mask, dtype=np.int8)} for s in samples]  # fmt: skip
+    items = [
+        {
+            "sample_id": s.sample_id,
+            "split": s.split,
+            "input_ids": np.asarray(s.input_ids, dtype=np.int64),
+            "loss_mask": np.asarray(s.loss_mask, dtype=np.int8),
+        }
+        for s in samples
+    ]
     if not items:
         raise ValueError("nothing to capture: the prepared data has no samples")
     return ray.data.from_items(items).map_batches(
@@ -112,9 +128,14 @@ def capture_dataset(samples: Iterable[TokenizedSample], num_layers: int, hidden_
 def to_record(row: dict) -> dict[str, torch.Tensor | str]:
     """A Ray Data row (numpy, possibly read-only) -> a record of torch tensors."""
     tensor = lambda key, dtype: torch.from_numpy(np.array(row[key], dtype=dtype))  # noqa: E731  (copies)
-    return {"sample_id": str(row["sample_id"]), "split": str(row["split"]), "input_ids": tensor("input_ids", np.int64),
-            "loss_mask": tensor("loss_mask", np.int8), "aux_hidden": tensor("aux_hidden", np.float32),
-            "last_hidden": tensor("last_hidden", np.float32)}  # fmt: skip
+    return {
+        "sample_id": str(row["sample_id"]),
+        "split": str(row["split"]),
+        "input_ids": tensor("input_ids", np.int64),
+        "loss_mask": tensor("loss_mask", np.int8),
+        "aux_hidden": tensor("aux_hidden", np.float32),
+        "last_hidden": tensor("last_hidden", np.float32),
+    }
 
 
 def iter_records(rows: Iterable[dict], bad: BadRows, total: int | None = None, desc: str = "capture") -> Iterator[dict]:
@@ -152,11 +173,11 @@ def done_sample_ids(out_dir: Path) -> set[str]:
 def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
     index = len(manifest["shards"])
     name = f"shard-{index:05d}.safetensors"
-    tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records)
-               for key in SHARD_TENSORS}  # fmt: skip
+    tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records) for key in SHARD_TENSORS}
     save_file(tensors, str(out_dir / name))
-    manifest["shards"].append({"file": name, "sample_ids": [r["sample_id"] for r in records],
-                               "splits": [r["split"] for r in records]})  # fmt: skip
+    manifest["shards"].append(
+        {"file": name, "sample_ids": [r["sample_id"] for r in records], "splits": [r["split"] for r in records]}
+    )
     tmp = out_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out_dir / MANIFEST)  # the manifest only ever names complete shards
@@ -181,9 +202,10 @@ def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int = 64) 
 def read_shard(item: dict) -> list[dict]:
     """Records of one shard: item = {"path", "ids", "splits"} (a manifest entry with its full path)."""
     tensors = load_file(item["path"])
-    return [{"sample_id": sample_id, "split": split,
-             **{k: tensors[f"{i}.{k}"] for k in SHARD_TENSORS}}
-            for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"]))]  # fmt: skip
+    return [
+        {"sample_id": sample_id, "split": split, **{k: tensors[f"{i}.{k}"] for k in SHARD_TENSORS}}
+        for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"]))
+    ]
 
 
 def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iterator[dict]:
@@ -191,18 +213,22 @@ def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iter
     number on every rank (a remainder of fewer than `world` records is left out, so every rank's data ends
     at the same step)."""
     out_dir = Path(out_dir)
-    entries = [(shard["file"], i, sample_id) for shard in read_manifest(out_dir)["shards"]
-               for i, (sample_id, s) in enumerate(zip(shard["sample_ids"], shard["splits"])) if s == split]  # fmt: skip
+    entries = [
+        (shard["file"], i, sample_id)
+        for shard in read_manifest(out_dir)["shards"]
+        for i, (sample_id, s) in enumerate(zip(shard["sample_ids"], shard["splits"]))
+        if s == split
+    ]
     mine = entries[rank::world][: len(entries) // world]
     for file, group in itertools.groupby(mine, key=lambda entry: entry[0]):
         with safe_open(str(out_dir / file), framework="pt") as f:
             for _, i, sample_id in group:
-                yield {"sample_id": sample_id, "split": split,
-                       **{k: f.get_tensor(f"{i}.{k}") for k in SHARD_TENSORS}}
+                yield {"sample_id": sample_id, "split": split, **{k: f.get_tensor(f"{i}.{k}") for k in SHARD_TENSORS}}
 
 
 def read_offline(out_dir: Path) -> Iterator[dict]:
     """The records of every shard, in the order they were written."""
     for shard in read_manifest(out_dir)["shards"]:
-        yield from read_shard({"path": str(Path(out_dir) / shard["file"]), "ids": shard["sample_ids"],
-                               "splits": shard["splits"]})  # fmt: skip
+        yield from read_shard(
+            {"path": str(Path(out_dir) / shard["file"]), "ids": shard["sample_ids"], "splits": shard["splits"]}
+        )

@@ -62,8 +62,12 @@ def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[l
 
     def regenerate(prompts: list[list[int]]) -> list[list[int] | None]:
         room = cfg.target.max_model_len  # prompt + answer must fit the engine's context
-        responses = [handle.generate.remote(p, min(cfg.data.max_new_tokens, room - len(p)), cfg.data.temperature,
-                                            cfg.training.seed + i) for i, p in enumerate(prompts)]  # fmt: skip
+        responses = [
+            handle.generate.remote(
+                p, min(cfg.data.max_new_tokens, room - len(p)), cfg.data.temperature, cfg.training.seed + i
+            )
+            for i, p in enumerate(prompts)
+        ]
         return [_result_or_none(r) for r in responses]
 
     return regenerate
@@ -80,9 +84,15 @@ def prompt_writer(handle, cfg: PeagleConfig, tokenizer) -> PromptWriter:
         asked[0] += n
         responses = [handle.generate.remote(prefix, limit, cfg.data.magpie_temperature, s) for s in seeds]
         written = [_result_or_none(r) for r in responses]
-        return [None if ids is None else (tokenizer.decode(ids, skip_special_tokens=True),
-                                          len(ids) < limit or ids[-1] == tokenizer.eos_token_id)
-                for ids in written]  # fmt: skip
+        return [
+            None
+            if ids is None
+            else (
+                tokenizer.decode(ids, skip_special_tokens=True),
+                len(ids) < limit or ids[-1] == tokenizer.eos_token_id,
+            )
+            for ids in written
+        ]
 
     return write
 
@@ -109,9 +119,12 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
     regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate else None
     magpie = any(is_magpie(s) for s in cfg.data.sources)
     writer = prompt_writer(session.handle, cfg, tokenizer) if magpie and session is not None else None
-    conversations = read_conversations(cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer,
-                                       cfg.data.max_row_bytes)  # fmt: skip
-    samples = prepare_samples(conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4)
+    conversations = read_conversations(
+        cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer, cfg.data.max_row_bytes
+    )
+    samples = prepare_samples(
+        conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4
+    )
     with tqdm(desc="prepare", unit="sample") as bar:
         summary = write_prepared(samples, Path(cfg.data.output_dir), read_target_info(target).vocab_size, bad, bar)
     print(f"[data] {summary['samples']} samples, {summary['tokens']} tokens -> {cfg.data.output_dir}; {bad.report()}")
@@ -140,11 +153,16 @@ def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: i
     print(f"[capture] {len(todo)} samples to capture ({len(done)} already in {out})")
     bad, start, written = BadRows(), time.monotonic(), 0
     if todo:
-        ds = capture_dataset(todo, session.num_layers_captured, session.info.hidden_size, cfg.capture.batch_size,
-                             cfg.capture.num_actors)  # fmt: skip
+        ds = capture_dataset(
+            todo, session.num_layers_captured, session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors
+        )
         written = write_offline(iter_records(ds.iter_rows(), bad, total=len(todo)), out, shard_size)
-    summary = {"captured": written, "skipped_done": len(done), "bad_rows": dict(bad.counts),
-               "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
+    summary = {
+        "captured": written,
+        "skipped_done": len(done),
+        "bad_rows": dict(bad.counts),
+        "seconds": round(time.monotonic() - start, 1),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "capture_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[capture] {written} records written to {out}; {bad.report()}")

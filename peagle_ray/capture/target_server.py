@@ -44,8 +44,11 @@ class EngineSpec:
 
 def engine_kwargs(spec: EngineSpec, storage_dir: str, use_gpu: bool) -> dict:
     connector, module = GPU_CONNECTOR if use_gpu else CPU_CONNECTOR
-    kv_transfer = {"kv_connector": connector, "kv_role": "kv_producer",
-                   "kv_connector_extra_config": {"shared_storage_path": storage_dir}}  # fmt: skip
+    kv_transfer = {
+        "kv_connector": connector,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": storage_dir},
+    }
     if module:
         kv_transfer["kv_connector_module_path"] = module
     return dict(
@@ -55,10 +58,13 @@ def engine_kwargs(spec: EngineSpec, storage_dir: str, use_gpu: bool) -> dict:
         enforce_eager=not use_gpu,  # CPU: skip long compiles
         trust_remote_code=spec.trust_remote_code,
         seed=spec.seed,
-        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec.layer_ids}}},
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec.layer_ids}},
+        },
         kv_transfer_config=kv_transfer,
-    )  # fmt: skip
+    )
 
 
 @serve.deployment(name="TargetServer", max_ongoing_requests=64)
@@ -131,8 +137,14 @@ def engine_spec(cfg: PeagleConfig, target_dir, num_target_layers: int) -> Engine
     aux = cfg.capture.aux_layer_ids or read_target_info(target_dir).default_aux_layer_ids()
     if max(aux) >= num_target_layers:
         raise ValueError(f"capture.aux_layer_ids must be below the target's {num_target_layers} layers; got {aux}")
-    return EngineSpec(str(target_dir), cfg.target.dtype, cfg.target.max_model_len, list(aux) + [num_target_layers],
-                      cfg.target.trust_remote_code, cfg.training.seed)  # fmt: skip
+    return EngineSpec(
+        str(target_dir),
+        cfg.target.dtype,
+        cfg.target.max_model_len,
+        list(aux) + [num_target_layers],
+        cfg.target.trust_remote_code,
+        cfg.training.seed,
+    )
 
 
 def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):

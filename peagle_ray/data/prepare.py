@@ -110,8 +110,11 @@ class BadRows:
 
     def report_examples(self, per_reason: int = 3) -> str:
         """One line per reason with its first examples, e.g. "  wrong_type: chats.jsonl:3: messages[0]..."."""
-        return "\n".join(f"  {reason}: {'; '.join(self.examples[reason][:per_reason])}"
-                         for reason in BAD_ROW_REASONS if self.counts[reason])  # fmt: skip
+        return "\n".join(
+            f"  {reason}: {'; '.join(self.examples[reason][:per_reason])}"
+            for reason in BAD_ROW_REASONS
+            if self.counts[reason]
+        )
 
 
 # ---- reading -----------------------------------------------------------------------------------------
@@ -140,8 +143,13 @@ def normalize_messages(row: object) -> list[dict]:
     return check_conversation(messages)
 
 
-def read_turn(turn: object, where: str, role_key: str = "role", text_key: str = "content",
-              role_names: dict[str, str] | None = None) -> dict:
+def read_turn(
+    turn: object,
+    where: str,
+    role_key: str = "role",
+    text_key: str = "content",
+    role_names: dict[str, str] | None = None,
+) -> dict:
     """One turn as {role, content}; `where` names it in the BadRow, e.g. "messages[2]"."""
     role_names = role_names or {r: r for r in ROLES}
     if not isinstance(turn, dict):
@@ -164,8 +172,9 @@ def turn_text(content: object, where: str) -> str:
         raise BadRow("missing_field", where)
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):  # fmt: skip
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise BadRow("wrong_type", f"{where}: expected a string or a list of text parts, got {type_name(content)}")
 
@@ -186,8 +195,15 @@ def check_conversation(messages: list[dict]) -> list[dict]:
 
 
 def type_name(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def split_of(sample_id: str, validation_fraction: float) -> str:
@@ -254,8 +270,14 @@ def prompt_for_regeneration(tokenizer, messages: list[dict]) -> list[int]:
 Regenerate = Callable[[list[list[int]]], list[list[int] | None]]
 
 
-def prepare_samples(conversations: Iterable[Conversation], tokenizer, max_length: int, bad: BadRows,
-                    regenerate: Regenerate | None = None, batch_size: int = 32) -> Iterator[TokenizedSample]:  # fmt: skip
+def prepare_samples(
+    conversations: Iterable[Conversation],
+    tokenizer,
+    max_length: int,
+    bad: BadRows,
+    regenerate: Regenerate | None = None,
+    batch_size: int = 32,
+) -> Iterator[TokenizedSample]:
     """Tokenize (and optionally regenerate) conversations in batches; bad rows go to `bad`."""
     batch: list[Conversation] = []
     for conversation in conversations:
@@ -300,8 +322,9 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
         yield TokenizedSample(c.sample_id, c.category, c.split, ids, mask)
 
 
-def write_prepared(samples: Iterable[TokenizedSample], out_dir: Path, vocab_size: int, bad: BadRows,
-                   progress=None) -> dict:  # fmt: skip
+def write_prepared(
+    samples: Iterable[TokenizedSample], out_dir: Path, vocab_size: int, bad: BadRows, progress=None
+) -> dict:
     """Write {train,validation}.jsonl, token_counts.safetensors (loss-masked token frequencies), summary.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -322,8 +345,12 @@ def write_prepared(samples: Iterable[TokenizedSample], out_dir: Path, vocab_size
         for f in files.values():
             f.close()
     save_file({"counts": counts}, str(out_dir / TOKEN_COUNTS))
-    summary = {"samples": dict(written), "tokens": tokens, "bad_rows": dict(bad.counts),
-               "bad_row_examples": bad.examples}  # fmt: skip
+    summary = {
+        "samples": dict(written),
+        "tokens": tokens,
+        "bad_rows": dict(bad.counts),
+        "bad_row_examples": bad.examples,
+    }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

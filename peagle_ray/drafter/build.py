@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.model import Drafter, DrafterArch
+from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.drafter.vocab import MaskToken, draft_vocabulary, resolve_mask_token
-from peagle_ray.train.loss import Teacher
 
 
 def _text_config(target_dir: Path) -> dict:
@@ -34,8 +34,9 @@ def rope_theta(cfg: dict) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def arch_from_target(target_dir: Path, drafter: DrafterConfig, draft_vocab_size: int | None,
-                     mask_token_id: int | None, num_aux: int) -> DrafterArch:  # fmt: skip
+def arch_from_target(
+    target_dir: Path, drafter: DrafterConfig, draft_vocab_size: int | None, mask_token_id: int | None, num_aux: int
+) -> DrafterArch:
     cfg = _text_config(target_dir)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
@@ -79,8 +80,14 @@ def target_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return t["model.embed_tokens.weight"], lm_head, t["model.norm.weight"]
 
 
-def build_drafter(target_dir: Path, arch: DrafterArch, d2t: torch.Tensor, t2d: torch.Tensor,
-                  generator: torch.Generator, init_std: float = 0.02) -> tuple[Drafter, Teacher]:  # fmt: skip
+def build_drafter(
+    target_dir: Path,
+    arch: DrafterArch,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    generator: torch.Generator,
+    init_std: float = 0.02,
+) -> tuple[Drafter, Teacher]:
     """A freshly initialised drafter and the teacher head for `arch` over the draft vocabulary `d2t`."""
     embed, lm_head, norm = target_head(target_dir)
     draft_rows = torch.arange(arch.draft_vocab_size) + d2t  # target id of each draft id
@@ -97,9 +104,15 @@ def build_drafter(target_dir: Path, arch: DrafterArch, d2t: torch.Tensor, t2d: t
     return drafter, teacher
 
 
-def drafter_for_target(target_dir: Path, drafter_cfg: DrafterConfig, token_counts: torch.Tensor | None,
-                       num_aux: int, generator: torch.Generator, tokenizer=None,
-                       init_from: str | None = None) -> tuple[Drafter, Teacher, MaskToken | None]:  # fmt: skip
+def drafter_for_target(
+    target_dir: Path,
+    drafter_cfg: DrafterConfig,
+    token_counts: torch.Tensor | None,
+    num_aux: int,
+    generator: torch.Generator,
+    tokenizer=None,
+    init_from: str | None = None,
+) -> tuple[Drafter, Teacher, MaskToken | None]:
     """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights
     (then another drafter's, when `init_from` names one: training.init_from).
 
@@ -131,13 +144,17 @@ def load_initial_weights(drafter: Drafter, source: str | Path) -> list[str]:
     source = Path(source)
     files = [source / name for name in ("model.safetensors", "drafter.safetensors") if (source / name).is_file()]
     if not files:
-        raise FileNotFoundError(f"training.init_from must be an exported drafter or a checkpoint directory (with "
-                                f"model.safetensors or drafter.safetensors); got {source}")  # fmt: skip
+        raise FileNotFoundError(
+            f"training.init_from must be an exported drafter or a checkpoint directory (with "
+            f"model.safetensors or drafter.safetensors); got {source}"
+        )
     weights = load_file(str(files[0]))
     own = drafter.state_dict()
     if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):
-        raise ValueError(f"training.init_from = {source}: its draft vocabulary differs from this run's "
-                         "(train both on the same data.output_dir and drafter.draft_vocab_size)")  # fmt: skip
+        raise ValueError(
+            f"training.init_from = {source}: its draft vocabulary differs from this run's "
+            "(train both on the same data.output_dir and drafter.draft_vocab_size)"
+        )
     copied = [name for name, t in weights.items() if name in own and t.numel() == own[name].numel()]
     with torch.no_grad():
         for name in copied:

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peagle_ray.train.elements import Elements
-from peagle_ray.train.masks import attention_mask
+from peagle_ray.drafter.elements import Elements, attention_mask
 
 Algorithm = Literal["peagle", "eagle3"]
 
@@ -212,8 +211,9 @@ class Drafter(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             start = query_start if i == last else 0
-            x, residual, kv = layer(x, residual, embeds, positions, mask(i == last),
-                                    None if past_kv is None else past_kv[i], start)  # fmt: skip
+            x, residual, kv = layer(
+                x, residual, embeds, positions, mask(i == last), None if past_kv is None else past_kv[i], start
+            )
             new_kv.append(kv)
         return x + residual, new_kv
 
@@ -278,8 +278,11 @@ class Drafter(nn.Module):
                 hidden = outputs[-1][slot_of_anchor[step.anchor]]
             mask = mask_fn(rows, slice(0, rows.stop))
             out, kv = self._layers(hidden, self.embed_tokens(ids), step.position, lambda last: mask, past_kv, 0)
-            past_kv = kv if past_kv is None else [(torch.cat([p[0], k]), torch.cat([p[1], v]))
-                                                  for p, (k, v) in zip(past_kv, kv)]  # fmt: skip
+            past_kv = (
+                kv
+                if past_kv is None
+                else [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(past_kv, kv)]
+            )
             slot_of_anchor = torch.full((int(step.anchor.max()) + 1,), -1, dtype=torch.long, device=step.anchor.device)
             slot_of_anchor[step.anchor] = torch.arange(len(step), device=step.anchor.device)
             outputs.append(out)
@@ -304,14 +307,14 @@ class Drafter(nn.Module):
             query = Elements.cat([new, chain])
             ids, aux = torch.cat([tokens, mask_ids]), torch.cat([aux_hidden, mask_aux])
             mask = cache.mask(query)
-            out, kv = self._layers(self.fc(aux), self.embed_tokens(ids), query.position, lambda last: mask,
-                                   cache.kv, 0)  # fmt: skip
+            out, kv = self._layers(self.fc(aux), self.embed_tokens(ids), query.position, lambda last: mask, cache.kv, 0)
             cache.append([(k[:m], v[:m]) for k, v in kv], m)
             draft = self.logits(out[m - 1 :]).argmax(-1)
             return draft + self.d2t[draft]
 
-        out, kv = self._layers(self.fc(aux_hidden), self.embed_tokens(tokens), new.position,
-                               lambda last: cache.mask(new), cache.kv, 0)  # fmt: skip
+        out, kv = self._layers(
+            self.fc(aux_hidden), self.embed_tokens(tokens), new.position, lambda last: cache.mask(new), cache.kv, 0
+        )
         cache.append(kv, m)
         drafted, hidden, chain_kv = [], out[-1:], [(k, v) for k, v in cache.kv]
         for d in range(num_tokens):
@@ -322,8 +325,9 @@ class Drafter(nn.Module):
             step = Elements(torch.tensor([anchor]), torch.tensor([d + 1]))
             keys = Elements.cat([cache.elements(), Elements(torch.full((d + 1,), anchor), torch.arange(1, d + 2))])
             mask = attention_mask_rows(step, keys)
-            hidden, kv = self._layers(hidden, self.embed_tokens(drafted[-1]), step.position, lambda last: mask,
-                                      chain_kv, 0)  # fmt: skip
+            hidden, kv = self._layers(
+                hidden, self.embed_tokens(drafted[-1]), step.position, lambda last: mask, chain_kv, 0
+            )
             chain_kv = [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(chain_kv, kv)]
         return torch.cat(drafted)
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import target_engine_env
-from peagle_ray.serve.app import read_drafter, speculative_config
+from peagle_ray.export.speculators import read_drafter, speculative_config
 from peagle_ray.serve.stats import SpecStats
 
 ALGORITHMS = ("eagle3", "peagle")
@@ -54,8 +54,9 @@ def eval_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[int
 
     path = Path(cfg.data.output_dir) / "validation.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"data.output_dir = {cfg.data.output_dir} has no validation.jsonl; "
-                                "run `peagle-ray data prepare` first")  # fmt: skip
+        raise FileNotFoundError(
+            f"data.output_dir = {cfg.data.output_dir} has no validation.jsonl; run `peagle-ray data prepare` first"
+        )
     prompts: dict[str, list[list[int]]] = defaultdict(list)
     for sample in read_prepared(Path(cfg.data.output_dir), "validation"):
         if 1 in sample.loss_mask and len(prompts[sample.category]) < cfg.eval.prompts_per_category:
@@ -79,27 +80,46 @@ def _suite_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[i
         if len(ids) <= room and len(prompts[item.category]) < cfg.eval.prompts_per_category:
             prompts[item.category].append(ids)
     if not prompts:
-        raise ValueError(f"eval.suite = {cfg.eval.suite}: no prompt leaves eval.max_new_tokens = {cfg.eval.max_new_tokens} "
-                         f"of room in target.max_model_len = {cfg.target.max_model_len}")  # fmt: skip
+        raise ValueError(
+            f"eval.suite = {cfg.eval.suite}: no prompt leaves eval.max_new_tokens = {cfg.eval.max_new_tokens} "
+            f"of room in target.max_model_len = {cfg.target.max_model_len}"
+        )
     return dict(sorted(prompts.items()))
 
 
-def run_engine(cfg: PeagleConfig, target_dir: Path, spec_config: dict | None, prompts: dict[str, list[list[int]]],
-               timing_prompts: int) -> dict:  # fmt: skip
-    spec = {"target": str(target_dir), "dtype": cfg.target.dtype, "max_model_len": cfg.target.max_model_len,
-            "speculative_config": spec_config, "max_new_tokens": cfg.eval.max_new_tokens, "acceptance": prompts,
-            "timing": {c: p[:timing_prompts] for c, p in prompts.items()}}  # fmt: skip
+def run_engine(
+    cfg: PeagleConfig,
+    target_dir: Path,
+    spec_config: dict | None,
+    prompts: dict[str, list[list[int]]],
+    timing_prompts: int,
+) -> dict:
+    spec = {
+        "target": str(target_dir),
+        "dtype": cfg.target.dtype,
+        "max_model_len": cfg.target.max_model_len,
+        "speculative_config": spec_config,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "acceptance": prompts,
+        "timing": {c: p[:timing_prompts] for c, p in prompts.items()},
+    }
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
         log = Path(cfg.serving.log_dir) / "eval-engine.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as sink:
-            proc = subprocess.run([sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
-                                  stdout=sink, stderr=subprocess.STDOUT, env=target_engine_env(cfg.target))  # fmt: skip
+            proc = subprocess.run(
+                [sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=target_engine_env(cfg.target),
+            )
         if proc.returncode != 0:
-            raise RuntimeError(f"evaluation engine ({spec_config or 'target only'}) failed with exit code "
-                               f"{proc.returncode}; log: {log}")  # fmt: skip
+            raise RuntimeError(
+                f"evaluation engine ({spec_config or 'target only'}) failed with exit code "
+                f"{proc.returncode}; log: {log}"
+            )
         return json.loads(out_file.read_text())
 
 
@@ -114,24 +134,37 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
     for category, acceptance in run["acceptance"].items():
         t, b = run["timing"][category], baseline["timing"][category]
         wrong = sum(x != y for x, y in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
-        part = (SpecStats(**acceptance["counters"]), t["tokens"], t["seconds"], SpecStats(**t["counters"]),
-                b["tokens"], b["seconds"], wrong)  # fmt: skip
+        part = (
+            SpecStats(**acceptance["counters"]),
+            t["tokens"],
+            t["seconds"],
+            SpecStats(**t["counters"]),
+            b["tokens"],
+            b["seconds"],
+            wrong,
+        )
         rows[category] = _row(k, *part)
         parts.append(part)
     rows["overall"] = _row(k, *(sum(column[1:], column[0]) for column in zip(*parts)))  # each field summed
     return rows
 
 
-def _row(k, counters: SpecStats, tokens, seconds, timed_counters: SpecStats, base_tokens, base_seconds,
-         mismatches) -> dict:  # fmt: skip
+def _row(
+    k, counters: SpecStats, tokens, seconds, timed_counters: SpecStats, base_tokens, base_seconds, mismatches
+) -> dict:
     tps = tokens / seconds if seconds else 0.0
     base = base_tokens / base_seconds if base_seconds else 0.0
     speedup = tps / base if base else None
-    return {"k": k, "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
-            "acceptance_length": round(counters.acceptance_length, 4), "tokens_per_s": round(tps, 2),
-            "baseline_tokens_per_s": round(base, 2), "speedup": round(speedup, 3) if speedup else None,
-            "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
-            "greedy_mismatches": mismatches}  # fmt: skip
+    return {
+        "k": k,
+        "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
+        "acceptance_length": round(counters.acceptance_length, 4),
+        "tokens_per_s": round(tps, 2),
+        "baseline_tokens_per_s": round(base, 2),
+        "speedup": round(speedup, 3) if speedup else None,
+        "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
+        "greedy_mismatches": mismatches,
+    }
 
 
 def recommend_k(by_k: dict[int, dict]) -> int:
@@ -147,22 +180,37 @@ def set_drafter_k(drafter_dir: Path, k: int) -> None:
     config_file.write_text(json.dumps(config, indent=2))
 
 
-def run_eval(cfg: PeagleConfig, target_dir: Path, drafters: dict[str, Path], k_values: list[int] | None = None,
-             progress: bool = True, write_k: bool = True) -> dict:  # fmt: skip
+def run_eval(
+    cfg: PeagleConfig,
+    target_dir: Path,
+    drafters: dict[str, Path],
+    k_values: list[int] | None = None,
+    progress: bool = True,
+    write_k: bool = True,
+) -> dict:
     """The sweep; drafters = {"peagle": dir, "eagle3": dir} (either may be missing). write_k: store each
     algorithm's recommended K in its drafter's config.json."""
     prompts = eval_prompts(cfg, target_dir)
     k_values = sorted(k_values or cfg.eval.k_values)
     plan = [(None, None)] + [(alg, k) for alg in ALGORITHMS if alg in drafters for k in k_values]
     bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
-    results: dict = {"target": str(target_dir), "suite": cfg.eval.suite, "categories": list(prompts), "k_values": k_values,
-                     "prompts_per_category": cfg.eval.prompts_per_category, "timing_prompts": cfg.eval.timing_prompts,
-                     "max_new_tokens": cfg.eval.max_new_tokens, "dtype": cfg.target.dtype}  # fmt: skip
+    results: dict = {
+        "target": str(target_dir),
+        "suite": cfg.eval.suite,
+        "categories": list(prompts),
+        "k_values": k_values,
+        "prompts_per_category": cfg.eval.prompts_per_category,
+        "timing_prompts": cfg.eval.timing_prompts,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "dtype": cfg.target.dtype,
+    }
     baseline = None
     for algorithm, k in bar:
         bar.set_postfix_str(f"{algorithm or 'target only'}" + (f" K={k}" if k else ""))
         info = read_drafter(drafters[algorithm]) if algorithm else None
-        run = run_engine(cfg, target_dir, speculative_config(info, k) if info else None, prompts, cfg.eval.timing_prompts)
+        run = run_engine(
+            cfg, target_dir, speculative_config(info, k) if info else None, prompts, cfg.eval.timing_prompts
+        )
         if algorithm is None:
             baseline = run
             rows = summarize(0, run, run)
@@ -183,8 +231,12 @@ def run_eval(cfg: PeagleConfig, target_dir: Path, drafters: dict[str, Path], k_v
             other = theirs[category]["tokens_per_s"]
             row["speedup_vs_eagle3"] = round(row["tokens_per_s"] / other, 3) if other else None
     results["recommended_k"] = {a: results[a]["recommended_k"] for a in ALGORITHMS if a in results}
-    results["greedy_mismatches"] = sum(results[a]["by_k"][k]["overall"]["greedy_mismatches"]
-                                       for a in ALGORITHMS if a in results for k in results[a]["by_k"])  # fmt: skip
+    results["greedy_mismatches"] = sum(
+        results[a]["by_k"][k]["overall"]["greedy_mismatches"]
+        for a in ALGORITHMS
+        if a in results
+        for k in results[a]["by_k"]
+    )
     return results
 
 
@@ -197,18 +249,28 @@ def format_table(results: dict) -> str:
         best = results[algorithm]["best"]
         k = results[algorithm]["recommended_k"]
         head = ["Category", *[f"Pos {i}" for i in range(1, k + 1)], "Avg Length", "tok/s", "speedup"]
-        lines += [f"{algorithm} (recommended K = {k})", "| " + " | ".join(head) + " |",
-                  "|" + "|".join("---" for _ in head) + "|"]  # fmt: skip
+        lines += [
+            f"{algorithm} (recommended K = {k})",
+            "| " + " | ".join(head) + " |",
+            "|" + "|".join("---" for _ in head) + "|",
+        ]
         for category, row in best.items():
-            cells = [category, *[f"{100 * r:.1f}" for r in row["acceptance_per_position"]],
-                     f"{row['acceptance_length']:.2f}", f"{row['tokens_per_s']:.1f}", f"{row['speedup'] or 0:.2f}x"]  # fmt: skip
+            cells = [
+                category,
+                *[f"{100 * r:.1f}" for r in row["acceptance_per_position"]],
+                f"{row['acceptance_length']:.2f}",
+                f"{row['tokens_per_s']:.1f}",
+                f"{row['speedup'] or 0:.2f}x",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     lines.append(f"greedy mismatches against the target alone: {results['greedy_mismatches']}")
     return "\n".join(lines)
 
 
-def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path) -> dict[str, str]:
+def log_to_mlflow(
+    uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path
+) -> dict[str, str]:
     """eval/* metrics (AL, tokens/s, speedup at step = K; acceptance at step = position, one metric per K,
     and as the table eval/acceptance_per_position.json), plots and the `eval.recommended_k` tag into each
     drafter's training run (from its provenance), else a run named eval-<algorithm> that ends FINISHED.
@@ -223,8 +285,10 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
 
     client = MlflowClient(uri)
     work_dir.mkdir(parents=True, exist_ok=True)
-    plots = [plot_tokens_per_s(results, work_dir / "eval_tokens_per_s_vs_k.png"),
-             plot_acceptance(results, work_dir / "eval_acceptance_per_position.png")]  # fmt: skip
+    plots = [
+        plot_tokens_per_s(results, work_dir / "eval_tokens_per_s_vs_k.png"),
+        plot_acceptance(results, work_dir / "eval_acceptance_per_position.png"),
+    ]
     (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
     runs, sweep = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
     prefix = eval_name(results.get("suite", "validation"))
@@ -240,8 +304,11 @@ def log_to_mlflow(uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str
         table = {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep's rows
         for k, rows in results[algorithm]["by_k"].items():
             overall = rows["overall"]
-            metrics = {f"{prefix}/acceptance_length": overall["acceptance_length"],
-                       f"{prefix}/tokens_per_s": overall["tokens_per_s"], f"{prefix}/speedup_vs_target": overall["speedup"] or 0.0}  # fmt: skip
+            metrics = {
+                f"{prefix}/acceptance_length": overall["acceptance_length"],
+                f"{prefix}/tokens_per_s": overall["tokens_per_s"],
+                f"{prefix}/speedup_vs_target": overall["speedup"] or 0.0,
+            }
             for name, value in metrics.items():  # these against K
                 client.log_metric(run_id, name, value, step=int(k))
             for position, rate in enumerate(overall["acceptance_per_position"], start=1):  # one curve per K
@@ -284,7 +351,9 @@ def plot_tokens_per_s(results: dict, path: Path) -> Path:
     for algorithm in ALGORITHMS:
         if algorithm in results:
             ks = sorted(results[algorithm]["by_k"], key=int)
-            ax.plot(ks, [results[algorithm]["by_k"][k]["overall"]["tokens_per_s"] for k in ks], marker="o", label=algorithm)
+            ax.plot(
+                ks, [results[algorithm]["by_k"][k]["overall"]["tokens_per_s"] for k in ks], marker="o", label=algorithm
+            )
     base = results.get("target_only", {}).get("overall", {}).get("tokens_per_s")
     if base:
         ax.axhline(base, color="gray", linestyle="--", label="target only")
@@ -306,8 +375,12 @@ def plot_acceptance(results: dict, path: Path) -> Path:
     for offset, algorithm in ((-0.2, "eagle3"), (0.2, "peagle")):
         if algorithm in results:
             rates = results[algorithm]["best"]["overall"]["acceptance_per_position"]
-            ax.bar([i + 1 + offset for i in range(len(rates))], [100 * r for r in rates], width=0.4,
-                   label=f"{algorithm} (K={results[algorithm]['recommended_k']})")  # fmt: skip
+            ax.bar(
+                [i + 1 + offset for i in range(len(rates))],
+                [100 * r for r in rates],
+                width=0.4,
+                label=f"{algorithm} (K={results[algorithm]['recommended_k']})",
+            )
     ax.set(xlabel="draft position", ylabel="accepted (%)", title="Acceptance per position", ylim=(0, 100))
     ax.legend()
     fig.tight_layout()

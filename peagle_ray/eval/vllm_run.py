@@ -30,8 +30,16 @@ def run(spec: dict) -> dict:
 
     started = time.perf_counter()
     kwargs = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
-    llm = LLM(model=spec["target"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], enforce_eager=True,
-              seed=0, disable_log_stats=False, load_format="safetensors", **kwargs)  # fmt: skip
+    llm = LLM(
+        model=spec["target"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        load_format="safetensors",
+        **kwargs,
+    )
     out = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
     sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
     stats = lambda: SpecStats.from_counters(counters_from_snapshot(llm.get_metrics()))  # noqa: E731
@@ -39,11 +47,16 @@ def run(spec: dict) -> dict:
         before = stats()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         counts = stats().minus(before)
-        out["acceptance"][category] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                                       "counters": counts.__dict__}  # fmt: skip
+        out["acceptance"][category] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "counters": counts.__dict__,
+        }
         print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
-    llm.generate([{"prompt_token_ids": spec["acceptance"][next(iter(spec["acceptance"]))][0]}],
-                 SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up before timing  # fmt: skip
+    llm.generate(
+        [{"prompt_token_ids": spec["acceptance"][next(iter(spec["acceptance"]))][0]}],
+        SamplingParams(temperature=0.0, max_tokens=8),
+        use_tqdm=False,
+    )  # warm-up before timing
     for category, prompts in spec["timing"].items():
         tokens, seconds, before = 0, 0.0, stats()
         for prompt in prompts:

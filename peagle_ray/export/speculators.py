@@ -6,6 +6,9 @@ writes out_dir/model.safetensors (the drafter's own weight names: no renaming), 
 provenance record. P-EAGLE loads in vLLM with
     speculative_config={"model": out_dir, "method": "eagle3", "num_speculative_tokens": K, "parallel_drafting": True}
 (or `LLM(model=out_dir)`, which reads the verifier from speculators_config); EAGLE-3 without parallel_drafting.
+
+    info = read_drafter(out_dir)               # algorithm and K of an export; refuses anything but safetensors
+    speculative_config(info, k)                # the vLLM speculative_config above, for serving and evaluation
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import json
 import platform
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from peagle_ray.config import ConfigError
 from peagle_ray.drafter.model import Drafter
 
 PROVENANCE = "provenance.json"
@@ -37,19 +42,35 @@ def drafter_state(drafter: Drafter) -> dict[str, torch.Tensor]:
     return state
 
 
-def speculators_config(drafter: Drafter, target_dir: Path, aux_layer_ids: list[int], num_speculative_tokens: int,
-                       max_position_embeddings: int) -> dict:  # fmt: skip
+def speculators_config(
+    drafter: Drafter,
+    target_dir: Path,
+    aux_layer_ids: list[int],
+    num_speculative_tokens: int,
+    max_position_embeddings: int,
+) -> dict:
     arch = drafter.arch
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
     layer_config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.intermediate_size, "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "num_hidden_layers": arch.num_layers,
-        "vocab_size": arch.vocab_size, "rms_norm_eps": arch.rms_norm_eps, "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": arch.rope_theta}, "rope_theta": arch.rope_theta,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-    }  # fmt: skip
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "num_hidden_layers": arch.num_layers,
+        "vocab_size": arch.vocab_size,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": arch.rope_theta},
+        "rope_theta": arch.rope_theta,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
     if arch.num_aux != 3:
         layer_config["num_aux_hidden_states"] = arch.num_aux  # vLLM assumes 3 unless told
     algorithm = arch.algorithm
@@ -64,13 +85,16 @@ def speculators_config(drafter: Drafter, target_dir: Path, aux_layer_ids: list[i
         "speculators_config": {
             "algorithm": algorithm,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
-                                  "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": str(Path(target_dir).resolve()),
-                         "architectures": target_cfg.get("architectures", [])},
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens, "verifier_accept_k": 1}
+            ],
+            "verifier": {
+                "name_or_path": str(Path(target_dir).resolve()),
+                "architectures": target_cfg.get("architectures", []),
+            },
         },
         "torch_dtype": "float32",
-    }  # fmt: skip
+    }
     if algorithm == "peagle":
         config["mask_token_id"] = arch.mask_token_id
     return config
@@ -79,8 +103,12 @@ def speculators_config(drafter: Drafter, target_dir: Path, aux_layer_ids: list[i
 def provenance(extra: dict | None = None) -> dict:
     """Git SHA, package versions, command line: what made this artifact."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
-                             timeout=10).stdout.strip() or None  # fmt: skip
+        sha = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.TimeoutExpired):
         sha = None
     packages = {}
@@ -89,17 +117,29 @@ def provenance(extra: dict | None = None) -> dict:
             packages[name] = version(name)
         except Exception:  # noqa: BLE001  not installed
             continue
-    return {"git_sha": sha, "packages": packages, "python": platform.python_version(), "argv": sys.argv,
-            **(extra or {})}  # fmt: skip
+    return {
+        "git_sha": sha,
+        "packages": packages,
+        "python": platform.python_version(),
+        "argv": sys.argv,
+        **(extra or {}),
+    }
 
 
-def export_drafter(drafter: Drafter, out_dir: Path, target_dir: Path, aux_layer_ids: list[int],
-                   num_speculative_tokens: int, max_position_embeddings: int = 4096,
-                   extra_provenance: dict | None = None) -> Path:  # fmt: skip
+def export_drafter(
+    drafter: Drafter,
+    out_dir: Path,
+    target_dir: Path,
+    aux_layer_ids: list[int],
+    num_speculative_tokens: int,
+    max_position_embeddings: int = 4096,
+    extra_provenance: dict | None = None,
+) -> Path:
     """Write the speculators-format directory; returns it."""
     if len(aux_layer_ids) != drafter.arch.num_aux:
-        raise ValueError(f"aux_layer_ids must have {drafter.arch.num_aux} entries (the drafter's num_aux); "
-                         f"got {aux_layer_ids}")  # fmt: skip
+        raise ValueError(
+            f"aux_layer_ids must have {drafter.arch.num_aux} entries (the drafter's num_aux); got {aux_layer_ids}"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.float() if v.is_floating_point() else v for k, v in drafter_state(drafter).items()}
@@ -108,3 +148,42 @@ def export_drafter(drafter: Drafter, out_dir: Path, target_dir: Path, aux_layer_
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / PROVENANCE).write_text(json.dumps(provenance(extra_provenance), indent=2))
     return out_dir
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    path: str
+    algorithm: str  # "peagle" | "eagle3"
+    num_speculative_tokens: int  # the K exported (or recommended by evaluation)
+
+
+def read_drafter(drafter_dir: Path) -> DrafterInfo:
+    """The exported drafter's algorithm and K; refuses anything but a safetensors speculators export."""
+    drafter_dir = Path(drafter_dir)
+    config_file = drafter_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"drafter {drafter_dir} has no config.json; expected a drafter exported by "
+            "`peagle-ray train` (<storage>/<run>/export) or `peagle-ray export`"
+        )
+    unsafe = sorted(p.name for p in drafter_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+    if unsafe or not list(drafter_dir.glob("*.safetensors")):
+        raise ConfigError(
+            f"drafter {drafter_dir}: weights must be safetensors only; found {unsafe or 'no .safetensors'}"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"drafter {drafter_dir}: config.json cannot be read ({err})") from None
+    algorithm = config.get("speculators_model_type")
+    if algorithm not in ("peagle", "eagle3"):
+        raise ConfigError(f"drafter {drafter_dir}: speculators_model_type must be peagle or eagle3; got {algorithm!r}")
+    method = config["speculators_config"]["proposal_methods"][0]
+    return DrafterInfo(str(drafter_dir.resolve()), algorithm, int(method["speculative_tokens"]))
+
+
+def speculative_config(drafter: DrafterInfo, k: int | None = None) -> dict:
+    spec = {"model": drafter.path, "method": "eagle3", "num_speculative_tokens": k or drafter.num_speculative_tokens}
+    if drafter.algorithm == "peagle":
+        spec["parallel_drafting"] = True
+    return spec

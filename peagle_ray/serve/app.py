@@ -24,8 +24,9 @@ from pathlib import Path
 
 from ray import serve
 
-from peagle_ray.config import ConfigError, PeagleConfig
+from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import target_engine_env
+from peagle_ray.export.speculators import DrafterInfo, read_drafter, speculative_config
 from peagle_ray.serve.limits import Limits, admit
 
 APP_NAME = "peagle-openai"
@@ -39,47 +40,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class DrafterInfo:
-    path: str
-    algorithm: str  # "peagle" | "eagle3"
-    num_speculative_tokens: int  # the K exported (or recommended by evaluation)
-
-
-def read_drafter(drafter_dir: Path) -> DrafterInfo:
-    """The exported drafter's algorithm and K; refuses anything but a safetensors speculators export."""
-    drafter_dir = Path(drafter_dir)
-    config_file = drafter_dir / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"drafter {drafter_dir} has no config.json; expected a drafter exported by "
-                                "`peagle-ray train` (<storage>/<run>/export) or `peagle-ray export`")  # fmt: skip
-    unsafe = sorted(p.name for p in drafter_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
-    if unsafe or not list(drafter_dir.glob("*.safetensors")):
-        raise ConfigError(f"drafter {drafter_dir}: weights must be safetensors only; found {unsafe or 'no .safetensors'}")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"drafter {drafter_dir}: config.json cannot be read ({err})") from None
-    algorithm = config.get("speculators_model_type")
-    if algorithm not in ("peagle", "eagle3"):
-        raise ConfigError(f"drafter {drafter_dir}: speculators_model_type must be peagle or eagle3; got {algorithm!r}")
-    method = config["speculators_config"]["proposal_methods"][0]
-    return DrafterInfo(str(drafter_dir.resolve()), algorithm, int(method["speculative_tokens"]))
-
-
-def speculative_config(drafter: DrafterInfo, k: int | None = None) -> dict:
-    spec = {"model": drafter.path, "method": "eagle3", "num_speculative_tokens": k or drafter.num_speculative_tokens}
-    if drafter.algorithm == "peagle":
-        spec["parallel_drafting"] = True
-    return spec
-
-
-def vllm_args(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None,
-              served_name: str | None = None) -> list[str]:  # fmt: skip
+def vllm_args(
+    cfg: PeagleConfig,
+    target_dir: Path,
+    drafter: DrafterInfo | None,
+    k: int | None = None,
+    served_name: str | None = None,
+) -> list[str]:
     """vLLM OpenAI-server command-line arguments for the target (+ drafter)."""
-    args = ["--model", str(target_dir), "--served-model-name", served_name or Path(target_dir).name,
-            "--dtype", cfg.target.dtype, "--max-model-len", str(cfg.target.max_model_len),
-            "--load-format", "safetensors", "--seed", "0"]  # fmt: skip
+    args = [
+        "--model",
+        str(target_dir),
+        "--served-model-name",
+        served_name or Path(target_dir).name,
+        "--dtype",
+        cfg.target.dtype,
+        "--max-model-len",
+        str(cfg.target.max_model_len),
+        "--load-format",
+        "safetensors",
+        "--seed",
+        "0",
+    ]
     if not cfg.training.use_gpu:
         args.append("--enforce-eager")  # CPU: skip long compiles
     if cfg.target.trust_remote_code:
@@ -108,8 +90,9 @@ class RequestLimits:
         problem, body = self.check(b"".join(chunks), scope["path"])
         if problem is not None:
             status, payload = problem
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send(
+                {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+            )
             return await send({"type": "http.response.body", "body": payload})
         replayed = False
 
@@ -145,8 +128,14 @@ class RequestLimits:
 
 def request_limits(cfg: PeagleConfig) -> Limits:
     s = cfg.serving
-    return Limits(s.max_prompt_tokens, s.max_tokens_limit, s.max_n, s.max_logprobs, s.max_prompts_per_request,
-                  cfg.target.max_model_len)  # fmt: skip
+    return Limits(
+        s.max_prompt_tokens,
+        s.max_tokens_limit,
+        s.max_n,
+        s.max_logprobs,
+        s.max_prompts_per_request,
+        cfg.target.max_model_len,
+    )
 
 
 @dataclass(frozen=True)
@@ -276,5 +265,25 @@ def app_builder(args: dict):
 
     cfg = load_config(args.get("config"), list(args.get("set") or []))
     drafter = args.get("drafter") or default_drafter_dir(cfg)
-    return endpoint_app(cfg, resolve_target_path(cfg), Path(drafter) if drafter != "none" else None,
-                        int(args["k"]) if args.get("k") else None)  # fmt: skip
+    return endpoint_app(
+        cfg,
+        resolve_target_path(cfg),
+        Path(drafter) if drafter != "none" else None,
+        int(args["k"]) if args.get("k") else None,
+    )
+
+
+def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
+    """What to tell a user once the endpoint is up: the URL, a curl to try, where the statistics are."""
+    auth = f' -H "Authorization: Bearer {cfg.serving.api_token}"' if cfg.serving.api_token else ""
+    body = (
+        '{"model": "MODEL", "messages": [{"role": "user", "content": "Write a haiku about CPUs."}], '
+        '"max_tokens": 64, "temperature": 0}'
+    )
+    return "\n".join(
+        [
+            f"endpoint: {url}/v1 (OpenAI-compatible; models: curl{auth} {url}/v1/models)",
+            f"try:      curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            f"stats:    {url}/v1/speculative_stats (JSON), {url}/metrics (Prometheus), {url}/health",
+        ]
+    )

@@ -65,8 +65,10 @@ def admit(body: bytes, chat: bool, limits: Limits, prompt_lengths) -> tuple[tupl
 
 def check_request(request: dict, chat: bool, limits: Limits, prompt_lengths) -> dict:
     """Raise Rejected for the first field over its limit; return the fields to add (an injected max_tokens)."""
-    copies = max(_bounded(request, "n", 1, limits.max_n, "serving.max_n"),
-                 _bounded(request, "best_of", 1, limits.max_n, "serving.max_n"))  # fmt: skip
+    copies = max(
+        _bounded(request, "n", 1, limits.max_n, "serving.max_n"),
+        _bounded(request, "best_of", 1, limits.max_n, "serving.max_n"),
+    )
     for name in ("top_logprobs", "prompt_logprobs") + (() if chat else ("logprobs",)):
         _bounded(request, name, 0, limits.max_logprobs, "serving.max_logprobs")
     if chat:
@@ -75,19 +77,30 @@ def check_request(request: dict, chat: bool, limits: Limits, prompt_lengths) -> 
     value = request.get(field)
     prompts = _prompt_count(value, chat)
     if prompts > limits.max_prompts_per_request:
-        raise Rejected(f"prompt holds {prompts} prompts; the limit is {limits.max_prompts_per_request} "
-                       f"(serving.max_prompts_per_request)", "prompt")  # fmt: skip
+        raise Rejected(
+            f"prompt holds {prompts} prompts; the limit is {limits.max_prompts_per_request} "
+            f"(serving.max_prompts_per_request)",
+            "prompt",
+        )
     lengths = prompt_lengths(value, chat)
     if lengths and max(lengths) > limits.max_prompt_tokens:
-        raise Rejected(f"{field} is {max(lengths)} tokens; the limit is {limits.max_prompt_tokens} "
-                       f"(serving.max_prompt_tokens)", field)  # fmt: skip
+        raise Rejected(
+            f"{field} is {max(lengths)} tokens; the limit is {limits.max_prompt_tokens} (serving.max_prompt_tokens)",
+            field,
+        )
     streams = prompts * copies
-    asked = [(name, _bounded(request, name, 1, limits.max_tokens_limit, "serving.max_tokens_limit"))
-             for name in TOKEN_FIELDS if request.get(name) is not None]  # fmt: skip
+    asked = [
+        (name, _bounded(request, name, 1, limits.max_tokens_limit, "serving.max_tokens_limit"))
+        for name in TOKEN_FIELDS
+        if request.get(name) is not None
+    ]
     for name, tokens in asked:
         if tokens * streams > limits.max_tokens_limit:
-            raise Rejected(f"{name} x n x prompts = {tokens} x {copies} x {prompts} = {tokens * streams} tokens; "
-                           f"the limit is {limits.max_tokens_limit} per request (serving.max_tokens_limit)", name)  # fmt: skip
+            raise Rejected(
+                f"{name} x n x prompts = {tokens} x {copies} x {prompts} = {tokens * streams} tokens; "
+                f"the limit is {limits.max_tokens_limit} per request (serving.max_tokens_limit)",
+                name,
+            )
     if asked:
         return {}
     room = limits.max_model_len - max(lengths, default=0)
@@ -112,8 +125,9 @@ def _check_roles(messages: object) -> None:
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise Rejected(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
-                           f"messages[{i}].role")  # fmt: skip
+            raise Rejected(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"messages[{i}].role"
+            )
 
 
 def _prompt_count(value: object, chat: bool) -> int:

@@ -31,21 +31,30 @@ class SpecStats:
         return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
 
     def to_json(self) -> dict:
-        return {**asdict(self), "acceptance_per_position": self.acceptance_per_position,
-                "acceptance_length": self.acceptance_length}  # fmt: skip
+        return {
+            **asdict(self),
+            "acceptance_per_position": self.acceptance_per_position,
+            "acceptance_length": self.acceptance_length,
+        }
 
     @staticmethod
     def from_counters(counters: dict[str, int | list[int]]) -> SpecStats:
         """From {name without the vllm:spec_decode_ prefix: value}, summed over engines already."""
-        return SpecStats(int(counters.get("num_drafts", 0)), int(counters.get("num_draft_tokens", 0)),
-                         int(counters.get("num_accepted_tokens", 0)),
-                         [int(v) for v in counters.get("num_accepted_tokens_per_pos", [])])  # fmt: skip
+        return SpecStats(
+            int(counters.get("num_drafts", 0)),
+            int(counters.get("num_draft_tokens", 0)),
+            int(counters.get("num_accepted_tokens", 0)),
+            [int(v) for v in counters.get("num_accepted_tokens_per_pos", [])],
+        )
 
     def plus(self, other: SpecStats, sign: int = 1) -> SpecStats:
         """Counts added (sign -1: subtracted) field by field."""
-        return SpecStats(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
-                         self.accepted_tokens + sign * other.accepted_tokens,
-                         add_lists(self.accepted_per_position, other.accepted_per_position, sign))  # fmt: skip
+        return SpecStats(
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted_tokens + sign * other.accepted_tokens,
+            add_lists(self.accepted_per_position, other.accepted_per_position, sign),
+        )
 
     __add__ = plus
 
@@ -111,8 +120,9 @@ class SpecStatsCollector:
             self._local.busy = False
         al = GaugeMetricFamily("peagle_acceptance_length", "Mean tokens per speculative step: 1 + accepted / drafts")
         al.add_metric([], stats.acceptance_length)
-        rate = GaugeMetricFamily("peagle_acceptance_rate", "Fraction of drafts whose i-th token was accepted",
-                                 labels=["position"])  # fmt: skip
+        rate = GaugeMetricFamily(
+            "peagle_acceptance_rate", "Fraction of drafts whose i-th token was accepted", labels=["position"]
+        )
         for i, r in enumerate(stats.acceptance_per_position, start=1):
             rate.add_metric([str(i)], r)
         yield al

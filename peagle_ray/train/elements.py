@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from peagle_ray.drafter.elements import Elements
+
 
 @dataclass(frozen=True)
 class TrainSequence:
@@ -41,8 +43,9 @@ class TrainSequence:
         n = self.tokens.shape[0]
         for name in ("hidden", "teacher_hidden", "supervised", "doc_ids"):
             if getattr(self, name).shape[0] != n:
-                raise ValueError(f"TrainSequence.{name} must have {n} rows (one per position); "
-                                 f"got {getattr(self, name).shape[0]}")  # fmt: skip
+                raise ValueError(
+                    f"TrainSequence.{name} must have {n} rows (one per position); got {getattr(self, name).shape[0]}"
+                )
 
     @property
     def num_positions(self) -> int:
@@ -79,34 +82,6 @@ class TrainSequence:
             supervised=torch.cat([s.supervised for s in sequences]),
             doc_ids=torch.cat([torch.full_like(s.doc_ids, i) for i, s in enumerate(sequences)]),
         )
-
-
-@dataclass(frozen=True)
-class Elements:
-    """A flat list of (anchor, depth) elements."""
-
-    anchor: torch.Tensor  # (E,) long
-    depth: torch.Tensor  # (E,) long
-
-    def __len__(self) -> int:
-        return self.anchor.shape[0]
-
-    @property
-    def position(self) -> torch.Tensor:
-        return self.anchor + self.depth
-
-    def select(self, index: torch.Tensor) -> Elements:
-        return Elements(self.anchor[index], self.depth[index])
-
-    def to(self, device: torch.device) -> Elements:
-        return Elements(self.anchor.to(device), self.depth.to(device))
-
-    @staticmethod
-    def cat(parts: list[Elements]) -> Elements:
-        return Elements(torch.cat([p.anchor for p in parts]), torch.cat([p.depth for p in parts]))
-
-    def pairs(self) -> list[tuple[int, int]]:
-        return list(zip(self.anchor.tolist(), self.depth.tolist()))
 
 
 def cod_keep_fraction(depth: int, keep_ratio: float, min_ratio: float) -> float:

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.drafter.build import drafter_for_target
-from peagle_ray.eval.offline import Acceptance, replay_greedy
+from peagle_ray.drafter.replay import Acceptance, replay_greedy
 from peagle_ray.train.elements import TrainSequence
 from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward, train_step
 
@@ -47,8 +47,12 @@ CHECKPOINT_STATE = "state.json"
 def to_sequence(record: dict) -> TrainSequence:
     """A captured record (numpy or torch fields) -> a training sequence."""
     t = lambda key, dtype: torch.as_tensor(record[key]).to(dtype)  # noqa: E731
-    return TrainSequence.from_record(t("input_ids", torch.long), t("loss_mask", torch.long),
-                                     t("aux_hidden", torch.float32), t("last_hidden", torch.float32))  # fmt: skip
+    return TrainSequence.from_record(
+        t("input_ids", torch.long),
+        t("loss_mask", torch.long),
+        t("aux_hidden", torch.float32),
+        t("last_hidden", torch.float32),
+    )
 
 
 def full_batches(records: Iterator[dict], size: int) -> Iterator[list[TrainSequence]]:
@@ -77,7 +81,9 @@ def all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
 def all_reduce_stats(stats: StepStats, world: int) -> StepStats:
     if world > 1:
         k = len(stats.depth_count)
-        flat = torch.tensor([stats.loss, *stats.depth_kl, *stats.depth_correct, *stats.depth_count], dtype=torch.float64)
+        flat = torch.tensor(
+            [stats.loss, *stats.depth_kl, *stats.depth_correct, *stats.depth_count], dtype=torch.float64
+        )
         torch.distributed.all_reduce(flat)
         stats.loss = float(flat[0]) / world
         stats.depth_kl = flat[1 : 1 + k].tolist()
@@ -125,9 +131,20 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
     for record in records:
         seq = to_sequence(record)
         elements, dense = sample_elements(seq, cfg.drafter, generator)
-        stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.training.segment_length,
-                                    cfg.training.depth_weights, scale=1 / len(records), dense_mask=dense,
-                                    backward=False, bf16=cfg.training.precision == "bfloat16"))  # fmt: skip
+        stats.add(
+            sequence_backward(
+                drafter,
+                teacher,
+                seq,
+                elements,
+                cfg.training.segment_length,
+                cfg.training.depth_weights,
+                scale=1 / len(records),
+                dense_mask=dense,
+                backward=False,
+                bf16=cfg.training.precision == "bfloat16",
+            )
+        )
         ids, loss_mask = torch.as_tensor(record["input_ids"]).long(), torch.as_tensor(record["loss_mask"]).bool()
         start = int(loss_mask.nonzero()[0]) if loss_mask.any() else len(ids)  # replay the assistant's answer
         replay_greedy(replayer, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
@@ -140,8 +157,10 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
 
 def save_checkpoint(directory: Path, drafter, optimizer, scheduler, generator, state: dict) -> None:
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(directory / CHECKPOINT_WEIGHTS))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "generator": generator.get_state()}, directory / CHECKPOINT_OPTIMIZER)  # fmt: skip
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "generator": generator.get_state()},
+        directory / CHECKPOINT_OPTIMIZER,
+    )
     (directory / CHECKPOINT_STATE).write_text(json.dumps({**state, "arch": json.loads(drafter.arch.to_json())}))
 
 
@@ -179,8 +198,12 @@ class MetricsBuffer:
         from mlflow.entities import Metric
 
         now = int(1000 * time.time())
-        batch = [Metric(k, float(v), now, step) for step, metrics in self.rows for k, v in metrics.items()
-                 if not math.isnan(float(v))]  # fmt: skip
+        batch = [
+            Metric(k, float(v), now, step)
+            for step, metrics in self.rows
+            for k, v in metrics.items()
+            if not math.isnan(float(v))
+        ]
         for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
         self.logged_through = max(step for step, _ in self.rows)
@@ -198,18 +221,29 @@ def train_worker(plan: dict) -> None:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     counts = load_file(plan["token_counts"])["counts"]
-    drafter, teacher, _ = drafter_for_target(Path(plan["target_dir"]), cfg.drafter, counts, len(plan["aux_layer_ids"]),
-                                             torch.Generator().manual_seed(cfg.training.seed),
-                                             init_from=cfg.training.init_from)  # fmt: skip
+    drafter, teacher, _ = drafter_for_target(
+        Path(plan["target_dir"]),
+        cfg.drafter,
+        counts,
+        len(plan["aux_layer_ids"]),
+        torch.Generator().manual_seed(cfg.training.seed),
+        init_from=cfg.training.init_from,
+    )
     device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(cfg.training.cpus_per_worker)  # whatever OMP_NUM_THREADS the process inherited
     drafter, teacher = drafter.to(device), teacher.to(device)
     optimizer, scheduler = make_optimizer(drafter, cfg.training)
     generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)  # COD differs per rank
-    state = {"step": 0, "best_al": -1.0, "best_step": None, "target_dir": plan["target_dir"],
-             "aux_layer_ids": plan["aux_layer_ids"], "num_speculative_tokens": cfg.drafter.num_depths,
-             "max_model_len": cfg.target.max_model_len}  # what a standalone export needs
+    state = {
+        "step": 0,
+        "best_al": -1.0,
+        "best_step": None,
+        "target_dir": plan["target_dir"],
+        "aux_layer_ids": plan["aux_layer_ids"],
+        "num_speculative_tokens": cfg.drafter.num_depths,
+        "max_model_len": cfg.target.max_model_len,
+    }  # what a standalone export needs
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
@@ -235,12 +269,27 @@ def train_worker(plan: dict) -> None:
             raise RuntimeError(f"injected failure at step {step} (training.crash_once_at_step)")
         next_batch = next(batches, None)  # read ahead: the step before the data runs out is a last step too
         started = time.perf_counter()
-        stats = train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, tcfg, generator,
-                           reduce_grads=lambda grads: all_reduce_mean(grads, world))  # fmt: skip
+        stats = train_step(
+            drafter,
+            teacher,
+            optimizer,
+            scheduler,
+            batch,
+            cfg.drafter,
+            tcfg,
+            generator,
+            reduce_grads=lambda grads: all_reduce_mean(grads, world),
+        )
         speed = step_throughput(stats.positions, time.perf_counter() - started, world, device)
         stats = all_reduce_stats(stats, world)
-        metrics = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": scheduler.get_last_lr()[0],
-                   "train/elements": stats.elements, "train/segments": stats.segments, **speed}  # fmt: skip
+        metrics = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/elements": stats.elements,
+            "train/segments": stats.segments,
+            **speed,
+        }
         metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
         if step % tcfg.log_every == 0:
             buffer.add(step, metrics)
@@ -248,7 +297,11 @@ def train_worker(plan: dict) -> None:
         last = step == tcfg.max_steps - 1 or next_batch is None
         batch = next_batch
         if (step + 1) % tcfg.validate_every == 0 or last:
-            val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed)) if rank == 0 else {}
+            val = (
+                validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed))
+                if rank == 0
+                else {}
+            )
             val = broadcast_from_rank0(val, world)  # every rank reports the same metrics (checkpoint scoring)
             buffer.add(step, val)
             report = {"step": step, **metrics, **val}
@@ -304,7 +357,6 @@ def mlflow_progress(uri: str, run_id: str, total: int, desc: str, every_s: float
             bar.close()
 
 
-
 def check_inputs(cfg: PeagleConfig) -> dict:
     """Fail fast, before any worker starts: target, prepared data and (offline) captured shards must exist."""
     from peagle_ray.capture.pipeline import read_manifest
@@ -318,21 +370,29 @@ def check_inputs(cfg: PeagleConfig) -> dict:
         raise FileNotFoundError(f"data.output_dir = {data_dir} has no prepared data; run `peagle-ray data prepare`")
     samples = json.loads(summary_file.read_text())["samples"]
     if not samples.get("train"):
-        raise ConfigError(f"data.output_dir = {data_dir} has no training samples (summary: {samples}); nothing to train on")
+        raise ConfigError(
+            f"data.output_dir = {data_dir} has no training samples (summary: {samples}); nothing to train on"
+        )
     if not samples.get("validation"):
-        raise ConfigError(f"data.output_dir = {data_dir} has no validation samples (summary: {samples}): checkpoints "
-                          f"are chosen by validation AL. Raise data.validation_fraction (now "
-                          f"{cfg.data.validation_fraction}) above 0 and run `peagle-ray data prepare` again")  # fmt: skip
+        raise ConfigError(
+            f"data.output_dir = {data_dir} has no validation samples (summary: {samples}): checkpoints "
+            f"are chosen by validation AL. Raise data.validation_fraction (now "
+            f"{cfg.data.validation_fraction}) above 0 and run `peagle-ray data prepare` again"
+        )
     if cfg.capture.mode == "offline":
         manifest = read_manifest(Path(cfg.capture.output_dir))
         captured = sum(split == "train" for shard in manifest["shards"] for split in shard["splits"])
         if not captured:
-            raise ConfigError(f"capture.mode is offline but capture.output_dir = {cfg.capture.output_dir} holds no "
-                             "training records; run `peagle-ray data capture`")  # fmt: skip
+            raise ConfigError(
+                f"capture.mode is offline but capture.output_dir = {cfg.capture.output_dir} holds no "
+                "training records; run `peagle-ray data capture`"
+            )
     init_from = cfg.training.init_from
     if init_from and not any((Path(init_from) / f).is_file() for f in ("model.safetensors", CHECKPOINT_WEIGHTS)):
-        raise FileNotFoundError(f"training.init_from = {init_from} is not an exported drafter or a checkpoint "
-                                f"directory (model.safetensors or {CHECKPOINT_WEIGHTS})")  # fmt: skip
+        raise FileNotFoundError(
+            f"training.init_from = {init_from} is not an exported drafter or a checkpoint "
+            f"directory (model.safetensors or {CHECKPOINT_WEIGHTS})"
+        )
     aux = cfg.capture.aux_layer_ids or info.default_aux_layer_ids()
     return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
 
@@ -380,14 +440,18 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=plan,
-        scaling_config=ScalingConfig(num_workers=cfg.training.num_workers, use_gpu=cfg.training.use_gpu,
-                                     resources_per_worker={"CPU": cfg.training.cpus_per_worker}),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.training.num_workers,
+            use_gpu=cfg.training.use_gpu,
+            resources_per_worker={"CPU": cfg.training.cpus_per_worker},
+        ),
         run_config=RunConfig(
             name=cfg.training.run_name,
             storage_path=plan["storage_path"],
             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val/acceptance_length",
-                                               checkpoint_score_order="max"),  # fmt: skip
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=2, checkpoint_score_attribute="val/acceptance_length", checkpoint_score_order="max"
+            ),
         ),
         datasets={"train": train_ds, "validation": val_ds} if train_ds is not None else None,
         dataset_config=DataConfig(datasets_to_split=["train"]),
@@ -422,11 +486,17 @@ def run_training(cfg: PeagleConfig) -> dict:
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
         with run_status(uri, run_id):
             log_training_data(uri, run_id, cfg)
-            plan = {"config": cfg.model_dump(mode="json"), "target_dir": str(inputs["info"].path),
-                    "aux_layer_ids": inputs["aux_layer_ids"], "token_counts": inputs["token_counts"],
-                    "tracking_uri": uri, "run_id": run_id, "storage_path": str(storage),
-                    "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
-                    "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None}  # fmt: skip
+            plan = {
+                "config": cfg.model_dump(mode="json"),
+                "target_dir": str(inputs["info"].path),
+                "aux_layer_ids": inputs["aux_layer_ids"],
+                "token_counts": inputs["token_counts"],
+                "tracking_uri": uri,
+                "run_id": run_id,
+                "storage_path": str(storage),
+                "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
+                "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
+            }
             progress = mlflow_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
             if cfg.capture.mode == "offline":
                 with progress:
@@ -434,13 +504,25 @@ def run_training(cfg: PeagleConfig) -> dict:
             else:
                 with target_session(cfg) as session:
                     samples = prepared_samples(cfg)
-                    train = capture_dataset([s for s in samples if s.split == "train"], session.num_layers_captured,
-                                            session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
+                    train = capture_dataset(
+                        [s for s in samples if s.split == "train"],
+                        session.num_layers_captured,
+                        session.info.hidden_size,
+                        cfg.capture.batch_size,
+                        cfg.capture.num_actors,
+                    )
                     bad = BadRows()
-                    val_rows = capture_dataset([s for s in samples if s.split == "validation"], session.num_layers_captured,
-                                               session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors)  # fmt: skip
-                    validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
-                                  for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")]  # fmt: skip
+                    val_rows = capture_dataset(
+                        [s for s in samples if s.split == "validation"],
+                        session.num_layers_captured,
+                        session.info.hidden_size,
+                        cfg.capture.batch_size,
+                        cfg.capture.num_actors,
+                    )
+                    validation = [
+                        {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
+                        for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")
+                    ]
                     with progress:
                         result = _fit(cfg, plan, train, ray.data.from_items(validation))
             if result.error is not None:
@@ -448,21 +530,35 @@ def run_training(cfg: PeagleConfig) -> dict:
             best, best_metrics = max(result.best_checkpoints, key=lambda cm: _score(cm[1]))
             with best.as_directory() as directory:
                 drafter = load_drafter_from_checkpoint(Path(directory))
-            export_dir = export_drafter(drafter, run_dir / "export", inputs["info"].path, inputs["aux_layer_ids"],
-                                        cfg.drafter.num_depths, cfg.target.max_model_len,
-                                        {"run_id": run_id, "best_step": best_metrics.get("step")})  # fmt: skip
+            export_dir = export_drafter(
+                drafter,
+                run_dir / "export",
+                inputs["info"].path,
+                inputs["aux_layer_ids"],
+                cfg.drafter.num_depths,
+                cfg.target.max_model_len,
+                {"run_id": run_id, "best_step": best_metrics.get("step")},
+            )
             _log_artifacts(uri, run_id, cfg, run_dir, export_dir, best_metrics, provenance())
-    summary = {"run_id": run_id, "tracking_uri": uri, "best_step": best_metrics.get("step"),
-               "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
-               "export_dir": str(export_dir), "checkpoint": best.path}  # fmt: skip
+    summary = {
+        "run_id": run_id,
+        "tracking_uri": uri,
+        "best_step": best_metrics.get("step"),
+        "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
+        "export_dir": str(export_dir),
+        "checkpoint": best.path,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"[train] best step {summary['best_step']}: AL {best_metrics.get('val/acceptance_length', float('nan')):.3f}; "
-          f"exported to {export_dir}")  # fmt: skip
+    print(
+        f"[train] best step {summary['best_step']}: AL {best_metrics.get('val/acceptance_length', float('nan')):.3f}; "
+        f"exported to {export_dir}"
+    )
     return summary
 
 
-def _log_artifacts(uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict,
-                   provenance_record: dict) -> None:  # fmt: skip
+def _log_artifacts(
+    uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict, provenance_record: dict
+) -> None:
     from mlflow.tracking import MlflowClient
 
     from peagle_ray.config import dump_config
@@ -495,6 +591,12 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, num_speculative_token
         raise FileNotFoundError(f"{checkpoint_dir} is not a peagle-ray training checkpoint (no {CHECKPOINT_STATE})")
     state = json.loads((checkpoint_dir / CHECKPOINT_STATE).read_text())
     drafter = load_drafter_from_checkpoint(checkpoint_dir)
-    return export_drafter(drafter, out_dir, Path(state["target_dir"]), state["aux_layer_ids"],
-                          num_speculative_tokens or state["num_speculative_tokens"], state["max_model_len"],
-                          {"checkpoint": str(checkpoint_dir), "step": state["step"]})  # fmt: skip
+    return export_drafter(
+        drafter,
+        out_dir,
+        Path(state["target_dir"]),
+        state["aux_layer_ids"],
+        num_speculative_tokens or state["num_speculative_tokens"],
+        state["max_model_len"],
+        {"checkpoint": str(checkpoint_dir), "step": state["step"]},
+    )

@@ -22,19 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from peagle_ray.train.elements import Elements, cod_sample
-
-
-def attention_mask(query: Elements, key: Elements, doc_ids: torch.Tensor) -> torch.Tensor:
-    """(Eq, Ek) bool: True where the query element may attend to the key element."""
-    q_anchor, q_depth = query.anchor[:, None], query.depth[:, None]
-    k_anchor, k_depth = key.anchor[None, :], key.depth[None, :]
-    same_document = doc_ids[query.anchor][:, None] == doc_ids[key.anchor][None, :]
-    key_is_context = k_depth == 0
-    key_not_after_anchor = k_anchor <= q_anchor
-    same_chain = k_anchor == q_anchor
-    key_earlier_in_chain = k_depth <= q_depth
-    return same_document & ((key_is_context & key_not_after_anchor) | (same_chain & key_earlier_in_chain))
+from peagle_ray.drafter.elements import Elements, attention_mask
+from peagle_ray.train.elements import cod_sample
 
 
 def flex_mask_mod(query: Elements, key: Elements, doc_ids: torch.Tensor):
@@ -72,8 +61,9 @@ class AmortizedMask:
     term. The price is a fixed sampling pattern instead of a fresh one per step.
     """
 
-    def __init__(self, max_positions: int, num_depths: int, keep_ratio: float, min_ratio: float,
-                 generator: torch.Generator):  # fmt: skip
+    def __init__(
+        self, max_positions: int, num_depths: int, keep_ratio: float, min_ratio: float, generator: torch.Generator
+    ):
         everywhere = torch.ones(max_positions, dtype=torch.bool)
         one_document = torch.zeros(max_positions, dtype=torch.long)
         sampled = cod_sample(everywhere, one_document, num_depths, keep_ratio, min_ratio, generator)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peagle_ray.train.elements import Elements
+from peagle_ray.drafter.elements import Elements
 
 
 @dataclass(frozen=True)

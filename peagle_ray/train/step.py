@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from peagle_ray.config import DrafterConfig, TrainingConfig
+from peagle_ray.drafter.elements import Elements, attention_mask
 from peagle_ray.drafter.model import Drafter
-from peagle_ray.train.elements import Elements, TrainSequence, cod_sample
-from peagle_ray.train.loss import Teacher, kl_loss
-from peagle_ray.train.masks import AmortizedMask, attention_mask, flex_mask_mod
+from peagle_ray.drafter.teacher import Teacher
+from peagle_ray.train.elements import TrainSequence, cod_sample
+from peagle_ray.train.loss import kl_loss
+from peagle_ray.train.masks import AmortizedMask, flex_mask_mod
 from peagle_ray.train.partition import balanced_boundaries, partition
 
 
@@ -57,8 +59,9 @@ def trained_elements(elements: Elements, seq: TrainSequence) -> torch.Tensor:
     return seq.supervised[pos] & (seq.doc_ids[pos] == seq.doc_ids[elements.anchor])
 
 
-def element_weights(elements: Elements, seq: TrainSequence, num_depths: int,
-                    depth_weights: list[float] | None) -> torch.Tensor:  # fmt: skip
+def element_weights(
+    elements: Elements, seq: TrainSequence, num_depths: int, depth_weights: list[float] | None
+) -> torch.Tensor:
     """(E,) loss weights: the loss is sum_d w_d / sum(w) * mean KL over depth d's trained elements.
 
     e.g. depths [0,0,0,1], all trained, equal weights, K = 2 -> [1/6, 1/6, 1/6, 1/2].
@@ -87,10 +90,20 @@ def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool, den
     return lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), doc_ids)
 
 
-def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, elements: Elements,
-                      segment_length: int, depth_weights: list[float] | None, scale: float = 1.0,
-                      loss_chunk: int = 1024, dense_mask: torch.Tensor | None = None,
-                      boundaries: list[int] | None = None, backward: bool = True, bf16: bool = False) -> StepStats:  # fmt: skip
+def sequence_backward(
+    drafter: Drafter,
+    teacher: Teacher,
+    seq: TrainSequence,
+    elements: Elements,
+    segment_length: int,
+    depth_weights: list[float] | None,
+    scale: float = 1.0,
+    loss_chunk: int = 1024,
+    dense_mask: torch.Tensor | None = None,
+    boundaries: list[int] | None = None,
+    backward: bool = True,
+    bf16: bool = False,
+) -> StepStats:
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
     With backward=False it only measures (validation): no graph is built.
 
@@ -110,8 +123,14 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
     key = lambda e: e.anchor * k + e.depth  # noqa: E731  unique id of an element
     index_of = torch.full((seq.num_positions * k,), -1, dtype=torch.long)
     index_of[key(elements)] = torch.arange(len(elements))
-    stats = StepStats(depth_kl=[0.0] * k, depth_correct=[0] * k, depth_count=[0] * k,
-                      segments=len(segments), elements=len(elements), positions=seq.num_positions)  # fmt: skip
+    stats = StepStats(
+        depth_kl=[0.0] * k,
+        depth_correct=[0] * k,
+        depth_count=[0] * k,
+        segments=len(segments),
+        elements=len(elements),
+        positions=seq.num_positions,
+    )
     for segment in segments:
         own_index = index_of[key(segment.own)]
         rows = trained[own_index]  # only trained elements reach the loss; the rest have zero gradient
@@ -123,9 +142,15 @@ def sequence_backward(drafter: Drafter, teacher: Teacher, seq: TrainSequence, el
         own = segment.own.select(rows)
         with torch.set_grad_enabled(backward), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             out = drafter.forward_elements(tokens, hidden, on_device, mask_fn, len(segment.context))
-            loss, kl, correct = kl_loss(drafter.norm(out[rows.to(device)]), drafter.lm_head.weight, teacher_hidden,
-                                        own.position.to(device), teacher,
-                                        weights[own_index[rows]].to(device, out.dtype), loss_chunk)  # fmt: skip
+            loss, kl, correct = kl_loss(
+                drafter.norm(out[rows.to(device)]),
+                drafter.lm_head.weight,
+                teacher_hidden,
+                own.position.to(device),
+                teacher,
+                weights[own_index[rows]].to(device, out.dtype),
+                loss_chunk,
+            )
         if backward:
             loss.backward()
         stats.loss += float(loss.detach())
@@ -143,8 +168,9 @@ def _accumulate(stats: StepStats, depth: torch.Tensor, kl: torch.Tensor, correct
     stats.depth_count = [a + b for a, b in zip(stats.depth_count, count)]
 
 
-def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator,
-                    amortized: AmortizedMask | None = None) -> tuple[Elements, torch.Tensor | None]:  # fmt: skip
+def sample_elements(
+    seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator, amortized: AmortizedMask | None = None
+) -> tuple[Elements, torch.Tensor | None]:
     """Fresh COD sampling, or the amortized fixed sampling with its pre-built mask."""
     if amortized is not None:
         elements, mask = amortized.for_length(seq.num_positions, seq.doc_ids)
@@ -152,8 +178,14 @@ def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: t
             return elements, mask
         order = torch.argsort(elements.depth, stable=True)  # EAGLE-3 runs depth by depth: depth-major
         return elements.select(order), mask[order][:, order]
-    elements = cod_sample(seq.supervised, seq.doc_ids, drafter_cfg.trained_depths, drafter_cfg.cod_keep_ratio,
-                          drafter_cfg.cod_min_ratio, generator)  # fmt: skip
+    elements = cod_sample(
+        seq.supervised,
+        seq.doc_ids,
+        drafter_cfg.trained_depths,
+        drafter_cfg.cod_keep_ratio,
+        drafter_cfg.cod_min_ratio,
+        generator,
+    )
     return elements, None
 
 
@@ -164,7 +196,9 @@ def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Genera
     return dataclasses.replace(seq, hidden=seq.hidden + noise.to(seq.hidden.dtype))
 
 
-def make_optimizer(drafter: Drafter, cfg: TrainingConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    drafter: Drafter, cfg: TrainingConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over trainable parameters; linear warm-up then cosine decay to 0 at max_steps."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -178,10 +212,18 @@ def make_optimizer(drafter: Drafter, cfg: TrainingConfig) -> tuple[torch.optim.O
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequences: list[TrainSequence],
-               drafter_cfg: DrafterConfig, cfg: TrainingConfig, generator: torch.Generator,
-               amortized: AmortizedMask | None = None,
-               reduce_grads: Callable[[list[torch.Tensor]], None] | None = None) -> StepStats:  # fmt: skip
+def train_step(
+    drafter: Drafter,
+    teacher: Teacher,
+    optimizer,
+    scheduler,
+    sequences: list[TrainSequence],
+    drafter_cfg: DrafterConfig,
+    cfg: TrainingConfig,
+    generator: torch.Generator,
+    amortized: AmortizedMask | None = None,
+    reduce_grads: Callable[[list[torch.Tensor]], None] | None = None,
+) -> StepStats:
     """One optimizer step over `sequences` (gradients accumulated across them), with clipping.
 
     `reduce_grads` (distributed training) averages the gradients across workers in place before clipping;
@@ -193,9 +235,19 @@ def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequenc
         if cfg.feature_noise:
             seq = with_feature_noise(seq, cfg.feature_noise, generator)
         elements, dense = sample_elements(seq, drafter_cfg, generator, amortized)
-        stats.add(sequence_backward(drafter, teacher, seq, elements, cfg.segment_length, cfg.depth_weights,
-                                    scale=1.0 / len(sequences), dense_mask=dense,
-                                    bf16=cfg.precision == "bfloat16"))  # fmt: skip
+        stats.add(
+            sequence_backward(
+                drafter,
+                teacher,
+                seq,
+                elements,
+                cfg.segment_length,
+                cfg.depth_weights,
+                scale=1.0 / len(sequences),
+                dense_mask=dense,
+                bf16=cfg.precision == "bfloat16",
+            )
+        )
     params = [p for p in drafter.parameters() if p.requires_grad]
     if reduce_grads is not None:
         for p in params:
@@ -208,8 +260,15 @@ def train_step(drafter: Drafter, teacher: Teacher, optimizer, scheduler, sequenc
     return stats
 
 
-def train_loop(drafter: Drafter, teacher: Teacher, sequences: list[TrainSequence], drafter_cfg: DrafterConfig,
-               cfg: TrainingConfig, generator: torch.Generator, steps: int | None = None) -> list[StepStats]:  # fmt: skip
+def train_loop(
+    drafter: Drafter,
+    teacher: Teacher,
+    sequences: list[TrainSequence],
+    drafter_cfg: DrafterConfig,
+    cfg: TrainingConfig,
+    generator: torch.Generator,
+    steps: int | None = None,
+) -> list[StepStats]:
     """The minimal in-process trainer: cycles through `sequences`, cfg.sequences_per_step per step."""
     optimizer, scheduler = make_optimizer(drafter, cfg)
     history, per_step = [], cfg.sequences_per_step

@@ -14,9 +14,22 @@ def chromium() -> str:
 
 def render_dom(url: str, wait_ms: int = 20000) -> str:
     """The page's DOM after its scripts ran for `wait_ms` of virtual time (the MLflow UI is a React app)."""
-    result = subprocess.run([chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                             f"--virtual-time-budget={wait_ms}", "--window-size=1400,1000", "--dump-dom", url],
-                            capture_output=True, text=True, timeout=180)  # fmt: skip
+    result = subprocess.run(
+        [
+            chromium(),
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            f"--virtual-time-budget={wait_ms}",
+            "--window-size=1400,1000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 

@@ -1,6 +1,6 @@
 """Greedy-decode chat prompts with vLLM and print the token ids as JSON (run as a subprocess: vLLM spawns).
 
-    python tests/helpers/vllm_greedy.py MODEL_DIR MESSAGES_JSON MAX_TOKENS
+python tests/helpers/vllm_greedy.py MODEL_DIR MESSAGES_JSON MAX_TOKENS
 """
 
 import json

@@ -13,12 +13,19 @@ if __name__ == "__main__":
     target, drafter, k, parallel, prompts, max_tokens = sys.argv[1:7]
     kwargs = {}
     if drafter != "none":
-        kwargs["speculative_config"] = {"model": drafter, "method": "eagle3", "num_speculative_tokens": int(k),
-                                        "parallel_drafting": parallel == "1"}  # fmt: skip
-    llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False,
-              **kwargs)  # fmt: skip
-    outputs = llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)],
-                           SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True))  # fmt: skip
+        kwargs["speculative_config"] = {
+            "model": drafter,
+            "method": "eagle3",
+            "num_speculative_tokens": int(k),
+            "parallel_drafting": parallel == "1",
+        }
+    llm = LLM(
+        model=target, dtype="float32", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False, **kwargs
+    )
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in json.loads(prompts)],
+        SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True),
+    )
     metrics = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):

@@ -47,8 +47,9 @@ class Acceptance:
 
 
 @torch.no_grad()
-def replay_greedy(drafter: Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, start: int, k: int,
-                  acceptance: Acceptance) -> Acceptance:  # fmt: skip
+def replay_greedy(
+    drafter: Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, start: int, k: int, acceptance: Acceptance
+) -> Acceptance:
     """Replay decoding of input_ids[start:] (the target's greedy output) after the prompt input_ids[:start].
 
     input_ids (T,), aux_hidden (T, A): the captured record of prompt + greedy continuation.

@@ -138,19 +138,13 @@ def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from peagle_ray.eval.sweep import eval_name, format_table, log_to_mlflow, run_eval
-    from peagle_ray.target import resolve_target_path
-    from peagle_ray.tracking import tracking_uri
+    from peagle_ray.eval.sweep import evaluate
 
     cfg = _config(args)
-    drafters = _drafters(cfg, args, "evaluate")
-    results = run_eval(cfg, resolve_target_path(cfg), drafters, args.k)
-    _write_json(results, args.json)  # before MLflow: a tracking failure loses no measurement
-    print(format_table(results), file=sys.stderr)
-    storage = Path(cfg.training.storage_path)
-    with tracking_uri(cfg, storage / "mlflow") as uri:
-        runs = log_to_mlflow(uri, cfg, results, drafters, storage / eval_name(results["suite"]))
-    print(f"[eval] logged to MLflow runs {runs} at {uri}", file=sys.stderr)
+    outcome = evaluate(cfg, _drafters(cfg, args, "evaluate"), args.k)
+    _write_json(outcome["results"], args.json)
+    print(outcome["table"], file=sys.stderr)
+    print(f"[eval] {outcome['json']}; MLflow runs {outcome['runs']} at {outcome['tracking_uri']}", file=sys.stderr)
     return 0
 
 

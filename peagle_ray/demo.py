@@ -17,9 +17,7 @@ are reused, so rerunning an interrupted run resumes it (configs/cpu-full.yaml re
 
 from __future__ import annotations
 
-import json
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from peagle_ray.config import PeagleConfig, with_values
@@ -37,10 +35,10 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     from ray import serve
 
     from peagle_ray.capture.run import ensure_ray, prepare_and_capture, samples_to_capture
-    from peagle_ray.eval.sweep import eval_name, format_table, log_to_mlflow, run_eval, run_name_for
+    from peagle_ray.eval.sweep import evaluate, run_name_for
     from peagle_ray.serve.app import endpoint_banner, start_endpoint, stop_endpoint
     from peagle_ray.target import prepare_embedded_target
-    from peagle_ray.tracking import local_mlflow_server
+    from peagle_ray.tracking import tracking_uri
     from peagle_ray.train.job import run_training
 
     started = time.monotonic()
@@ -53,8 +51,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     )
     print(f"[demo] target {target}; training budget {steps} steps per algorithm")
     ensure_ray()
-    given = cfg.tracking.tracking_uri
-    with nullcontext(given) if given else local_mlflow_server(storage / "mlflow", cfg.tracking.port) as uri:
+    with tracking_uri(cfg, storage / "mlflow") as uri:
         cfg = with_values(cfg, {"tracking.tracking_uri": uri})
         print(f"[demo] MLflow UI: {uri}")
         try:
@@ -79,16 +76,12 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
                 summaries[algorithm] = run_training(run_cfg)
             drafters = {a: Path(s["export_dir"]) for a, s in summaries.items()}
             _stage(f"evaluate: target alone, EAGLE-3 and P-EAGLE at K = {cfg.eval.k_values}", started)
-            results = run_eval(cfg, target, drafters)
-            work = storage / eval_name(results["suite"])
-            work.mkdir(parents=True, exist_ok=True)
-            (work / "eval.json").write_text(json.dumps(results, indent=2))
-            log_to_mlflow(uri, cfg, results, drafters, work)
-            table = format_table(results)
+            evaluated = evaluate(cfg, drafters)
+            results, table = evaluated["results"], evaluated["table"]
             _stage("serve the P-EAGLE drafter", started)
             url = start_endpoint(cfg, target, drafters["peagle"])
             print(
-                f"\n{table}\n\nresults: {storage / 'eval' / 'eval.json'}\nMLflow UI: {uri}\n"
+                f"\n{table}\n\nresults: {evaluated['json']}\nMLflow UI: {uri}\n"
                 f"{endpoint_banner(url, cfg).replace('MODEL', target.name)}\n"
                 f"[demo] done in {(time.monotonic() - started) / 60:.1f} min",
                 flush=True,

@@ -1,9 +1,16 @@
-"""MLflow: the tracking server (started locally when no URI is configured) and the run a training run logs to.
+"""MLflow, all of it: the only module of peagle-ray that imports mlflow (an import-linter contract).
 
     with tracking_uri(cfg, work_dir) as uri:       # cfg.tracking.tracking_uri, or a local server for the run
         run_id = find_or_create_run(uri, cfg)       # same run name -> same MLflow run (resume)
         with run_status(uri, run_id):               # RUNNING, then FINISHED / FAILED / KILLED
             log_training_data(uri, run_id, cfg)     # the prepared data as the run's dataset input
+            log = MetricLog(uri, run_id)            # a worker's log(step, metrics); flush() at each checkpoint
+            with metric_progress(uri, run_id, total, "train"):   # the driver's bar, read from the run
+                ...
+            log_files(uri, run_id, [config, plot], dirs={"drafter": export_dir})
+            register_model(uri, run_id, "peagle-drafter", "drafter")
+    with results_run(uri, cfg, run_id, "eval-peagle", work_dir) as run_id:   # a run, or one made for results
+        log_metrics(uri, run_id, [(name, value, step), ...]); set_tag(...); log_table(...)
 
 The local server uses a sqlite backend and a local artifact store under `work_dir`, binds to loopback, and
 is stopped when the block ends.
@@ -174,6 +181,161 @@ def log_training_data(uri: str, run_id: str, cfg: PeagleConfig) -> None:
     MlflowClient(uri).log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])])
 
 
+def metric_history(uri: str, run_id: str, name: str) -> list[tuple[int, float]]:
+    """(step, value) of a metric, by step."""
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, name))
+
+
+def log_metrics(uri: str, run_id: str, metrics: list[tuple[str, float, int]]) -> None:
+    """(name, value, step) triples in batches (MLflow caps a batch at 1000); NaN and infinities are left out."""
+    import math
+
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    now = int(1000 * time.time())
+    batch = [Metric(name, float(v), now, int(step)) for name, v, step in metrics if math.isfinite(float(v))]
+    client = MlflowClient(uri)
+    for i in range(0, len(batch), 900):
+        client.log_batch(run_id, metrics=batch[i : i + 900])
+
+
+class MetricLog:
+    """Rank 0's `log(step, metrics)`: held until flush() (at each checkpoint) and then written in one batch, so a
+    crash leaves neither gaps nor duplicates: on resume, steps already in the run (by train/loss) are skipped.
+    Made with uri None (other ranks), it keeps nothing."""
+
+    def __init__(self, uri: str | None, run_id: str | None, resume_metric: str = "train/loss"):
+        self.uri, self.run_id = uri, run_id
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        history = metric_history(uri, run_id, resume_metric) if uri and run_id else []
+        self.logged_through = max((step for step, _ in history), default=-1)
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        if self.uri and step > self.logged_through:
+            self.rows.append((step, metrics))
+
+    def flush(self) -> None:
+        if self.rows:
+            log_metrics(self.uri, self.run_id, [(k, v, step) for step, row in self.rows for k, v in row.items()])
+            self.logged_through = max(step for step, _ in self.rows)
+        self.rows = []
+
+
+@contextmanager
+def metric_progress(
+    uri: str, run_id: str, total: int, desc: str, metric: str = "val/acceptance_length", every_s: float = 5.0
+):
+    """A progress bar of training steps fed from the run's metrics, polled every `every_s` seconds: steps done
+    = the last step of `metric` + 1 (rank 0 writes its metrics at each checkpoint; the workers' output does not
+    reach the driver), postfix = its value. Yields the tqdm bar; the last reading is taken when the block ends."""
+    import threading
+
+    from tqdm import tqdm
+
+    stop = threading.Event()
+    bar = tqdm(total=total, desc=desc, unit="step")
+
+    def refresh() -> None:
+        history = metric_history(uri, run_id, metric)
+        if history:
+            step, value = history[-1]
+            bar.n = min(step + 1, total)
+            bar.set_postfix_str(f"val AL {value:.3f}")
+
+    def poll() -> None:
+        while not stop.wait(every_s):
+            try:
+                refresh()
+            except Exception:  # noqa: BLE001 - a busy tracking server: read again at the next tick
+                pass
+
+    refresh()
+    thread = threading.Thread(target=poll, name="mlflow-progress", daemon=True)
+    thread.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        thread.join()
+        try:
+            refresh()
+        finally:
+            bar.close()
+
+
+def log_files(
+    uri: str, run_id: str, files: list[Path], artifact_path: str | None = None, dirs: dict[str, Path] | None = None
+) -> None:
+    """Files as artifacts (under artifact_path), and each directory's content under its key."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    for path in files:
+        client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+    for key, directory in (dirs or {}).items():
+        client.log_artifacts(run_id, str(directory), artifact_path=key)
+
+
+def register_model(uri: str, run_id: str, name: str, artifact_path: str) -> None:
+    """A new version of the registered model `name` (made if missing) from the run's artifacts."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass  # already registered: add a version
+    client.create_model_version(name, f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}", run_id=run_id)
+
+
+def set_tag(uri: str, run_id: str, key: str, value) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).set_tag(run_id, key, value)
+
+
+def log_table(uri: str, run_id: str, table: dict[str, list], artifact_file: str) -> None:
+    """Columns as an MLflow table (MLflow appends the rows of each call to the file's rows)."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).log_table(run_id, table, artifact_file)
+
+
+def run_exists(uri: str, run_id: str | None) -> bool:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if not run_id:
+        return False
+    try:
+        MlflowClient(uri).get_run(run_id)
+        return True
+    except MlflowException:
+        return False
+
+
+@contextmanager
+def results_run(uri: str, cfg: PeagleConfig, run_id: str | None, fallback_name: str, work_dir: Path):
+    """Yields `run_id` when that run is in this store (results join the run that trained the drafter); else the
+    run named fallback_name (made if missing), RUNNING inside the block and FINISHED after it."""
+    from mlflow.tracking import MlflowClient
+
+    from peagle_ray.config import with_values
+
+    if run_exists(uri, run_id):
+        yield run_id
+        return
+    run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": fallback_name}), work_dir)
+    client = MlflowClient(uri)
+    client.update_run(run_id, status="RUNNING")
+    yield run_id
+    client.set_terminated(run_id, "FINISHED")
+
+
 def _param(key: str, value: str):
     from mlflow.entities import Param
 
@@ -193,28 +355,15 @@ def log_rows(
     """A benchmark's rows as one finished run named `run_name`: every numeric field of a row becomes the metric
     `prefix/field` at step = row[step_key] (list fields: `prefix/field_1..n`); `artifacts` are attached.
     Returns the run id."""
-    import math
-
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
-    from peagle_ray.config import with_values
-
-    client = MlflowClient(uri)
-    run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": run_name}), work_dir)
-    now = int(1000 * time.time())
     metrics = []
     for row in rows:
-        step = int(row[step_key])
         for key, value in row.items():
             values = value if isinstance(value, list) else [value]
             for i, v in enumerate(values):
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
                     name = f"{prefix}/{key}_{i + 1}" if isinstance(value, list) else f"{prefix}/{key}"
-                    metrics.append(Metric(name, float(v), now, step))
-    for i in range(0, len(metrics), 900):  # MLflow caps a batch at 1000 metrics
-        client.log_batch(run_id, metrics=metrics[i : i + 900])
-    for path in artifacts:
-        client.log_artifact(run_id, str(path), artifact_path=prefix)
-    client.set_terminated(run_id, "FINISHED")
+                    metrics.append((name, v, row[step_key]))
+    with results_run(uri, cfg, None, run_name, work_dir) as run_id:
+        log_metrics(uri, run_id, metrics)
+        log_files(uri, run_id, artifacts, artifact_path=prefix)
     return run_id

@@ -125,7 +125,12 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     from mlflow.tracking import MlflowClient
 
     from peagle_ray.config import PeagleConfig
-    from peagle_ray.eval.sweep import log_to_mlflow
+    from peagle_ray.eval.sweep import log_results
+
+    def log_to_mlflow(uri, cfg, results, drafters, work_dir):  # as evaluate() does: the JSON first
+        work_dir.mkdir(exist_ok=True)
+        (work_dir / "eval.json").write_text(json.dumps(results))
+        return log_results(uri, cfg, results, drafters, work_dir)
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

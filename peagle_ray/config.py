@@ -57,6 +57,9 @@ class TargetConfig(_Section):
     trust_remote_code: bool = False
     """Allow model code shipped inside the target directory to run. Off unless you trust the source."""
 
+    seed: int = 0
+    """Seed of every vLLM engine of the target (capture, serving, evaluation); requests may carry their own."""
+
     kv_cache_gib: int = Field(default=2, ge=1)
     """KV-cache GiB given to each CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE, whole GiB); ignored on GPU."""
 
@@ -133,6 +136,13 @@ class CaptureConfig(_Section):
     batch_size: int = Field(default=8, gt=0)
     """Conversations per capture request batch."""
 
+    num_gpus: float = Field(default=0, ge=0)
+    """GPUs the capture replica (the Serve-hosted target) takes (Ray actor option num_gpus). 0 runs its vLLM
+    engine on CPU; a GPU replica runs compiled (no enforce_eager) with vLLM's stock hidden-states connector."""
+
+    shard_size: int = Field(default=64, gt=0)
+    """Records per offline shard file (capture.mode offline)."""
+
     @field_validator("aux_layer_ids")
     @classmethod
     def _non_negative_layers(cls, v: list[int] | None) -> list[int] | None:
@@ -144,6 +154,10 @@ class CaptureConfig(_Section):
 class DrafterConfig(_Section):
     algorithm: Literal["peagle", "eagle3"] = "peagle"
     """peagle drafts K tokens in one forward pass; eagle3 is the autoregressive baseline (K passes)."""
+
+    init_std: float = Field(default=0.02, gt=0.0)
+    """Std of the normal init of the drafter's new weights (fc, decoder layers, mask hidden state); the
+    embedding and lm_head rows are the target's."""
 
     num_depths: int = Field(default=4, ge=1, le=16)
     """K: depths trained and tokens drafted per step."""
@@ -300,6 +314,9 @@ class ServingConfig(_Section):
 
     num_speculative_tokens: int | None = Field(default=None, ge=1)
     """K used when serving. None takes the drafter's recommended K (or drafter.num_depths)."""
+
+    num_gpus: float = Field(default=0, ge=0)
+    """GPUs the endpoint replica takes (Ray actor option num_gpus). 0 runs its vLLM engine on CPU."""
 
     max_prompt_tokens: int = Field(default=1536, gt=0)
     """Longest prompt accepted; longer ones get HTTP 400."""

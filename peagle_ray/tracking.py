@@ -148,18 +148,17 @@ def run_status(uri: str, run_id: str):
     client.set_terminated(run_id, "FINISHED")
 
 
-def log_training_data(uri: str, run_id: str, cfg: PeagleConfig) -> None:
+def log_training_data(uri: str, run_id: str, cfg: PeagleConfig, summary: dict, files: list[Path]) -> None:
     """The prepared data (data.output_dir) as the run's MLflow dataset input (context "training"): source,
-    digest of the prepared files, and a profile with row, token and bad-row counts from summary.json."""
+    digest of the prepared `files`, and a profile with row, token and bad-row counts from its `summary`."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
     from mlflow.tracking import MlflowClient
 
     out = Path(cfg.data.output_dir).resolve()
-    summary = json.loads((out / "summary.json").read_text())
     digest = hashlib.sha256()
-    for split in ("train", "validation"):
-        if (out / f"{split}.jsonl").is_file():
-            with (out / f"{split}.jsonl").open("rb") as f:
+    for path in files:
+        if path.is_file():
+            with path.open("rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)
     rows = summary.get("samples", {})

@@ -40,6 +40,4 @@ def test_bench_train_measures_one_and_two_workers(tiny_target, ray_local):
     assert [r["workers"] for r in result["results"]] == [1, 2]
     for row in result["results"]:
         assert row["tokens_per_s"] > 0 and row["peak_memory_mb_per_worker"] > 100 and row["cpus_per_worker"] >= 1, row
-        assert row["tokens_per_s_per_worker"] == pytest.approx(row["tokens_per_s"] / row["workers"], abs=0.1)
     assert result["two_worker_speedup"] > 0
-    assert result["peer_trainer"]["ran"] is False and result["peer_trainer"]["reason"]

@@ -17,7 +17,7 @@ from peagle_ray.capture.pipeline import (
 )
 from peagle_ray.capture.reference import hf_hidden_states
 from peagle_ray.capture.run import prompt_writer, run_capture_offline, run_prepare, samples_to_capture, target_session
-from peagle_ray.config import build_config
+from peagle_ray.config import build_config, with_values
 from peagle_ray.data.prepare import BadRows, TokenizedSample, read_prepared
 
 PROMPTS = [
@@ -104,7 +104,8 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
         )
     }
     assert len(samples_to_capture(cfg)[0]) == len(PROMPTS)
-    first = run_capture_offline(cfg, s, shard_size=4)
+    cfg = with_values(cfg, {"capture.shard_size": 4})
+    first = run_capture_offline(cfg, s)
     assert samples_to_capture(cfg) == ([], {x.sample_id for x in samples})  # what the demo checks before capture
     offline = {r["sample_id"]: r for r in read_offline(cfg.capture.output_dir)}
     assert first["captured"] == len(PROMPTS) and bad.total() == 0
@@ -114,7 +115,7 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
             assert torch.equal(offline[sample_id][key], record[key])
         for key in ("aux_hidden", "last_hidden"):  # vLLM may batch the two runs differently: float noise only
             torch.testing.assert_close(offline[sample_id][key], record[key], atol=1e-4, rtol=1e-4)
-    again = run_capture_offline(cfg, s, shard_size=4)
+    again = run_capture_offline(cfg, s)
     assert (again["captured"], again["skipped_done"]) == (0, len(PROMPTS))
 
 

@@ -224,3 +224,41 @@ def test_amortized_mask_step_equals_a_freshly_masked_step(algorithm):
     assert sliced.loss == pytest.approx(fresh.loss, rel=1e-12)
     for name, g in grads(drafter).items():
         torch.testing.assert_close(g, expected[name])
+
+
+def test_the_learning_rate_warms_up_from_zero_then_decays_by_cosine():
+    from peagle_ray.config import TrainingConfig
+    from peagle_ray.train.step import make_optimizer
+
+    drafter, _ = tiny_drafter(tiny_arch())
+    optimizer, scheduler = make_optimizer(drafter, TrainingConfig(learning_rate=1.0, warmup_steps=2, max_steps=6))
+    lrs = []
+    for _ in range(6):
+        lrs.append(round(scheduler.get_last_lr()[0], 4))
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464]
+
+
+@pytest.mark.parametrize(
+    "algorithm, expected",
+    [("peagle", [3.032077, 3.718851, 2.630405, 2.698207]), ("eagle3", [3.852658, 3.746392, 3.401128, 3.088501])],
+)
+def test_pinned_loss_trajectory_of_four_steps(algorithm, expected):
+    """Seeded tiny drafter, two packed sequences, partitioned (segment 10), float64: the losses of four steps.
+    Any change to COD, masks, partitioning, the loss or the optimizer moves these numbers."""
+    from peagle_ray.config import DrafterConfig, TrainingConfig
+    from peagle_ray.train.step import train_loop
+
+    drafter, teacher = tiny_drafter(tiny_arch(algorithm))
+    sequences = [random_sequence([9, 7], seed=1), random_sequence([12], seed=2)]
+    tcfg = TrainingConfig(learning_rate=1e-2, warmup_steps=1, max_steps=4, sequences_per_step=1, segment_length=10)
+    history = train_loop(
+        drafter,
+        teacher,
+        sequences,
+        DrafterConfig(algorithm=algorithm, num_depths=3),
+        tcfg,
+        torch.Generator().manual_seed(0),
+    )
+    assert [round(s.loss, 6) for s in history] == expected

@@ -142,3 +142,24 @@ def test_partition_context_starts_at_the_segments_first_document():
 def test_partition_rejects_bad_boundaries():
     with pytest.raises(ValueError, match=r"boundaries must rise strictly from 0 to 6 .*; got \[0, 4, 4, 6\]"):
         partition(WORKED, WORKED_DOCS, [0, 4, 4, 6])
+
+
+def test_cod_picks_these_anchors_for_seed_0():
+    """Pinned: which chains COD keeps for one seed (a change to the sampling order shows here first)."""
+    elements = cod_sample(torch.ones(12, dtype=torch.bool), torch.zeros(12, dtype=torch.long), 3, 0.7, 0.2, gen(0))
+    assert elements.pairs() == [(a, 0) for a in range(12)] + [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 1),
+        (4, 1),
+        (5, 1),
+        (8, 1),
+        (10, 1),
+        (1, 2),
+        (2, 2),
+        (3, 2),
+        (4, 2),
+        (5, 2),
+        (8, 2),
+    ]

@@ -37,7 +37,7 @@ def endpoint(tiny_target, drafter_dir, ray_local):
             "serving": {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64, "max_prompt_tokens": 200},
         }
     )
-    url = start_endpoint(cfg, tiny_target, drafter_dir)
+    url = start_endpoint(cfg, tiny_target, read_drafter(drafter_dir) if drafter_dir else None)
     yield url, tiny_target.name
     stop_endpoint()
 

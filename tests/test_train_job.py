@@ -14,7 +14,9 @@ from peagle_ray.capture.run import prepare_and_capture
 from peagle_ray.config import ConfigError, TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
 from peagle_ray.tracking import local_mlflow_server, metric_progress, run_status
-from peagle_ray.train.job import check_inputs, export_checkpoint, run_training, validation_subset
+from peagle_ray.train.checkpoint import export_checkpoint
+from peagle_ray.train.job import check_inputs, run_training
+from peagle_ray.train.worker import validation_subset
 from tests.helpers.browser import render_dom, render_until
 
 PROMPTS = [

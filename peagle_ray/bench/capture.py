@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import target_engine_env
+from peagle_ray.engine import engine_args, target_engine_env
 
 
 def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[list[int]]:
@@ -37,11 +37,11 @@ def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[
     return [stream[i * seq_len : (i + 1) * seq_len] for i in range(num_sequences)]
 
 
-def _prefill_child(target_dir: str, dtype: str, max_model_len: int, sequences_file: str) -> None:
+def _prefill_child(args_file: str, sequences_file: str) -> None:
     from vllm import LLM, SamplingParams
 
     sequences = json.loads(Path(sequences_file).read_text())
-    llm = LLM(model=target_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=True)
+    llm = LLM(**json.loads(Path(args_file).read_text()))
     prompts = [{"prompt_token_ids": s} for s in sequences]
     llm.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -49,25 +49,21 @@ def _prefill_child(target_dir: str, dtype: str, max_model_len: int, sequences_fi
     print("RESULT " + json.dumps({"seconds": time.perf_counter() - start}))
 
 
-def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: int = 256) -> dict:
+def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256) -> dict:
     from peagle_ray.capture.pipeline import capture_dataset, iter_records, write_offline
     from peagle_ray.capture.run import target_session
     from peagle_ray.data.prepare import BadRows, TokenizedSample
+    from peagle_ray.target import resolve_target_path
 
+    target_dir = resolve_target_path(cfg)
     sequences = bench_sequences(target_dir, num_sequences, seq_len)
     tokens = num_sequences * seq_len
     with tempfile.TemporaryDirectory() as tmp:
         seq_file = Path(tmp) / "sequences.json"
         seq_file.write_text(json.dumps(sequences))
-        cmd = [
-            sys.executable,
-            "-m",
-            "peagle_ray.bench.capture",
-            str(target_dir),
-            cfg.target.dtype,
-            str(cfg.target.max_model_len),
-            str(seq_file),
-        ]
+        args_file = Path(tmp) / "engine_args.json"
+        args_file.write_text(json.dumps(engine_args(cfg, target_dir, cfg.capture.num_gpus > 0)))
+        cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(args_file), str(seq_file)]
         child = subprocess.run(cmd, capture_output=True, text=True, env=target_engine_env(cfg.target))
         if child.returncode != 0:
             raise RuntimeError(f"prefill benchmark failed: {child.stderr[-2000:]}")
@@ -90,7 +86,7 @@ def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: i
             records = list(iter_records(ds.iter_rows(), bad, total=len(samples)))
             capture_s = time.perf_counter() - start
         shard_dir = Path(tmp) / "shards"
-        write_offline(records, shard_dir)
+        write_offline(records, shard_dir, cfg.capture.shard_size)
         shard_bytes = sum(p.stat().st_size for p in shard_dir.glob("*.safetensors"))
     return {
         "target": str(target_dir),
@@ -107,4 +103,4 @@ def run(cfg: PeagleConfig, target_dir: Path, num_sequences: int = 64, seq_len: i
 
 
 if __name__ == "__main__":
-    _prefill_child(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])
+    _prefill_child(*sys.argv[1:3])

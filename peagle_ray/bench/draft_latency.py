@@ -54,7 +54,8 @@ def run(
     target: Path | None = None,
     num_layers: int = 1,
 ) -> dict:
-    arch = bench_arch("peagle", 1, draft_vocab_size, num_layers, target)
+    """draft_vocab_size 0 or None: the full target vocabulary."""
+    arch = bench_arch("peagle", 1, draft_vocab_size or None, num_layers, target)
     result = {
         "hidden_size": arch.hidden_size,
         "layers": arch.num_layers,

@@ -63,8 +63,9 @@ def train_and_measure(
     `measure(drafter, steps)` for extra figures, and append a row."""
     from peagle_ray.data.prepare import read_token_counts
     from peagle_ray.drafter.build import drafter_for_target
-    from peagle_ray.train.job import check_inputs, to_sequence, validate
+    from peagle_ray.train.job import check_inputs
     from peagle_ray.train.step import make_optimizer, train_step
+    from peagle_ray.train.worker import to_sequence, validate
 
     inputs = check_inputs(cfg)
     tcfg = cfg.training
@@ -140,14 +141,16 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, int], 
 
 def ablation(
     cfg: PeagleConfig,
-    variants: dict[str, list[str]],
-    steps: int,
-    max_validation: int | None = 32,
+    variants: dict[str, list[str]] | list[list[str]] | None = None,
+    steps: int = 100,
     progress: Progress = print,
 ) -> dict:
-    """One run per variant ({name: ["section.field=value", ...]}, values parsed as YAML), the first being the
-    baseline."""
-    train, validation = split_records(cfg, max_validation)
+    """One run per variant ({name: ["section.field=value", ...]}, or [[name, override, ...], ...] as the CLI
+    gives them; values parsed as YAML), the first being the baseline; none: the config alone. Validation
+    replays training.validation_records records (None: all)."""
+    if not isinstance(variants, dict):
+        variants = {name: overrides for name, *overrides in variants} if variants else {"baseline": []}
+    train, validation = split_records(cfg, cfg.training.validation_records)
     result = {
         "steps": steps,
         "baseline": next(iter(variants)),
@@ -167,15 +170,16 @@ def ablation(
 
 def learning_curve(
     cfg: PeagleConfig,
-    budgets: list[int],
-    algorithms: list[str],
-    work_dir: Path,
-    max_validation: int | None = 32,
+    budgets: list[int] = (50, 100, 200, 400),
+    algorithms: list[str] = ("peagle", "eagle3"),
+    work_dir: Path | None = None,
     progress: Progress = print,
 ) -> dict:
-    """Per algorithm one run to max(budgets), measured at each budget (validation, and eval.suite via vLLM)."""
+    """Per algorithm one run to max(budgets), measured at each budget (validation, and eval.suite via vLLM);
+    the plot and exports go to work_dir (default <training.storage_path>/bench/learning-curve)."""
     budgets = sorted(set(budgets))
-    train, validation = split_records(cfg, max_validation)
+    work_dir = work_dir or bench_dir(cfg, "learning-curve")
+    train, validation = split_records(cfg, cfg.training.validation_records)
     result = {
         "budgets": budgets,
         "suite": cfg.eval.suite,
@@ -224,11 +228,17 @@ def plot_curve(result: dict, path: Path) -> Path:
     return path
 
 
-def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path) -> dict[str, str]:
+def bench_dir(cfg: PeagleConfig, kind: str) -> Path:
+    return Path(cfg.training.storage_path) / "bench" / kind
+
+
+def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path | None = None) -> dict[str, str]:
     """An ablation's variants (run `ablation-<name>`, step = steps) or a learning curve's algorithms (run
-    `curve-<algorithm>`, step = training tokens, with the plot and the JSON) into MLflow; {name: run id}."""
+    `curve-<algorithm>`, step = training tokens, with the plot and the JSON) into MLflow, the JSON in work_dir
+    (default <training.storage_path>/bench/ablation or learning-curve); {name: run id}."""
     from peagle_ray.tracking import log_rows, tracking_uri
 
+    work_dir = work_dir or bench_dir(cfg, "ablation" if "variants" in result else "learning-curve")
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "result.json").write_text(json.dumps(result, indent=2))
     runs = {}

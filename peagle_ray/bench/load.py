@@ -78,7 +78,7 @@ def load_prompts() -> list[str]:
 
 def run(
     cfg: PeagleConfig,
-    url: str | None,
+    url: str | None = None,
     clients: int = 32,
     requests_per_client: int = 2,
     max_tokens: int = 64,
@@ -90,11 +90,12 @@ def run(
     started_here = url is None
     if started_here:
         from peagle_ray.capture.run import ensure_ray
+        from peagle_ray.export.speculators import read_drafter
         from peagle_ray.serve.app import default_drafter_dir, start_endpoint
 
         ensure_ray()
         drafter = Path(drafter_dir) if drafter_dir else default_drafter_dir(cfg)
-        url = start_endpoint(cfg, target, drafter if (drafter / "config.json").is_file() else None)
+        url = start_endpoint(cfg, target, read_drafter(drafter) if (drafter / "config.json").is_file() else None)
     try:
         result = asyncio.run(
             _load(url, target.name, cfg.serving.api_token, load_prompts(), clients, requests_per_client, max_tokens)

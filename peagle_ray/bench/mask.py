@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.elements import attention_mask
 from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.masks import AmortizedMask
@@ -26,17 +27,17 @@ def _median_ms(fn, lengths) -> float:
 
 
 def run(max_positions: tuple[int, ...] = (1024, 2048, 4096), num_depths: int = 4, steps: int = 10) -> dict:
-    rows = []
+    rows, cod = [], DrafterConfig()  # the configured COD ratios
     for n_max in max_positions:
         g = torch.Generator().manual_seed(0)
         lengths = torch.randint(n_max // 2, n_max + 1, (steps,), generator=g).tolist()
         start = time.perf_counter()
-        amortized = AmortizedMask(n_max, num_depths, 0.7, 0.2, g)
+        amortized = AmortizedMask(n_max, num_depths, cod.cod_keep_ratio, cod.cod_min_ratio, g)
         build_ms = 1000 * (time.perf_counter() - start)
 
         def rebuilt(n):
             sup, doc = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
-            elements = cod_sample(sup, doc, num_depths, 0.7, 0.2, g)
+            elements = cod_sample(sup, doc, num_depths, cod.cod_keep_ratio, cod.cod_min_ratio, g)
             return attention_mask(elements, elements, doc)
 
         rebuilt_ms = _median_ms(rebuilt, lengths)

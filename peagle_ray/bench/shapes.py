@@ -46,15 +46,15 @@ def bench_arch(
 
 def random_drafter(arch: DrafterArch, seed: int = 0) -> tuple[Drafter, Teacher]:
     """Random weights at a realistic scale (timing and memory do not depend on the values)."""
-    g = torch.Generator().manual_seed(seed)
+    g, std = torch.Generator().manual_seed(seed), DrafterConfig().init_std
     drafter = Drafter(arch)
     with torch.no_grad():
         for param in drafter.parameters():
             if param.ndim >= 2 or param.shape[-1] == arch.num_aux * arch.hidden_size:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+                param.copy_(torch.randn(param.shape, generator=g) * std)
     teacher = Teacher(
         torch.ones(arch.hidden_size),
-        torch.randn(arch.draft_vocab_size, arch.hidden_size, generator=g) * 0.02,
+        torch.randn(arch.draft_vocab_size, arch.hidden_size, generator=g) * std,
         arch.rms_norm_eps,
     )
     return drafter, teacher

@@ -41,7 +41,7 @@ PEER_TRAINER = {
 def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int, seq_len: int, seed: int = 0) -> None:
     """work/data (prepared-data summary + token counts) and work/hidden (offline shards + manifest)."""
     from peagle_ray.capture.pipeline import write_offline
-    from peagle_ray.data.prepare import TOKEN_COUNTS
+    from peagle_ray.data.prepare import SUMMARY, TOKEN_COUNTS
 
     info = read_target_info(target_dir)
     g = torch.Generator().manual_seed(seed)
@@ -65,7 +65,7 @@ def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int
     counts = torch.ones(info.vocab_size, dtype=torch.long)  # uniform: the draft vocabulary is any top-DV
     save_file({"counts": counts}, str(data / TOKEN_COUNTS))
     tokens = records * seq_len + 128
-    (data / "summary.json").write_text(
+    (data / SUMMARY).write_text(
         json.dumps(
             {"samples": {"train": records, "validation": 1}, "tokens": tokens, "bad_rows": {}, "bad_row_examples": {}}
         )
@@ -85,7 +85,7 @@ def run(
 
     ensure_ray()
     target_dir = resolve_target_path(cfg)
-    aux = len(cfg.capture.aux_layer_ids or read_target_info(target_dir).default_aux_layer_ids())
+    aux = len(read_target_info(target_dir).aux_layer_ids(cfg.capture.aux_layer_ids))
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else os.cpu_count() or 1
     results = []
     with tempfile.TemporaryDirectory(prefix="peagle-bench-train-") as tmp:

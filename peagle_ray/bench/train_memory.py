@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import torch
 
 from peagle_ray.bench.shapes import bench_arch, random_drafter
@@ -55,6 +54,8 @@ def one_step(
     arch = bench_arch("peagle", depths, draft_vocab_size)
     drafter, teacher = random_drafter(arch)
     drafter.lm_head.weight.requires_grad_(not freeze_lm_head)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CUDA: compiled flex attention
+    drafter, teacher = drafter.to(device), teacher.to(device)
     g = torch.Generator().manual_seed(0)
     t = seq_len + 1
     seq = TrainSequence.from_record(
@@ -73,14 +74,19 @@ def one_step(
         stats = sequence_backward(
             drafter, teacher, seq, elements, segment_length if partitioned else UNPARTITIONED, None, bf16=bf16
         )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         timings.append(time.perf_counter() - start)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20  # the GPU's peak, not the host's
     return {
         "seq_len": seq_len,
         "depths": depths,
         "partitioned": partitioned,
         "elements": stats.elements,
         "segments": stats.segments,
+        "device": device.type,
         "peak_rss_mb": round(peak_mb, 1),
         "tokens_per_s": round(seq_len / timings[-1], 1),
         "step_s": round(timings[-1], 3),
@@ -88,6 +94,8 @@ def one_step(
 
 
 def _run_child(args: list[str], memory_limit_gb: float) -> dict:
+    import psutil
+
     cmd = [sys.executable, "-m", "peagle_ray.bench.train_memory", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     child, peak = psutil.Process(proc.pid), 0

@@ -183,7 +183,7 @@ def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
     os.replace(tmp, out_dir / MANIFEST)  # the manifest only ever names complete shards
 
 
-def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int = 64) -> int:
+def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int) -> int:
     """Append records to safetensors shards under `out_dir`, updating manifest.json after each shard."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out_dir)

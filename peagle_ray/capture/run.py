@@ -17,7 +17,14 @@ from peagle_ray import stopping
 from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_records, write_offline
 from peagle_ray.capture.target_server import start_target_server, stop_target_server
 from peagle_ray.config import PeagleConfig
-from peagle_ray.data.prepare import BadRows, TokenizedSample, prepare_samples, read_prepared, write_prepared
+from peagle_ray.data.prepare import (
+    BadRows,
+    TokenizedSample,
+    prepare_samples,
+    read_prepared,
+    read_summary,
+    write_prepared,
+)
 from peagle_ray.data.sources import PromptWriter, check_sources, is_magpie, magpie_prefix, read_conversations
 from peagle_ray.target import TargetInfo, read_target_info, resolve_target_path
 
@@ -50,7 +57,7 @@ def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
     ensure_ray()
     print(f"[capture] starting the target in Ray Serve: {info.path} (first start takes ~30-60 s on CPU)")
     handle = start_target_server(cfg, info.path, info.num_layers)
-    aux = cfg.capture.aux_layer_ids or info.default_aux_layer_ids()
+    aux = info.aux_layer_ids(cfg.capture.aux_layer_ids)
     try:
         yield TargetSession(handle, info, len(aux) + 1)
     finally:
@@ -135,7 +142,7 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
 
 def prepared_samples(cfg: PeagleConfig) -> list[TokenizedSample]:
     out = Path(cfg.data.output_dir)
-    if not (out / "summary.json").is_file():
+    if read_summary(out) is None:
         raise FileNotFoundError(f"no prepared data in data.output_dir = {out}; run `peagle-ray data prepare` first")
     return read_prepared(out, "train") + read_prepared(out, "validation")
 
@@ -146,7 +153,7 @@ def samples_to_capture(cfg: PeagleConfig) -> tuple[list, set]:
     return [s for s in prepared_samples(cfg) if s.sample_id not in done], done
 
 
-def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: int = 64) -> dict:
+def run_capture_offline(cfg: PeagleConfig, session: TargetSession) -> dict:
     """Capture every prepared sample not yet in capture.output_dir into safetensors shards."""
     out = Path(cfg.capture.output_dir)
     todo, done = samples_to_capture(cfg)
@@ -156,7 +163,7 @@ def run_capture_offline(cfg: PeagleConfig, session: TargetSession, shard_size: i
         ds = capture_dataset(
             todo, session.num_layers_captured, session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors
         )
-        written = write_offline(iter_records(ds.iter_rows(), bad, total=len(todo)), out, shard_size)
+        written = write_offline(iter_records(ds.iter_rows(), bad, total=len(todo)), out, cfg.capture.shard_size)
     summary = {
         "captured": written,
         "skipped_done": len(done),

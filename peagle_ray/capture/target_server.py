@@ -23,7 +23,7 @@ import torch
 from ray import serve
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import target_engine_env
+from peagle_ray.engine import engine_args, target_engine_env
 
 APP_NAME = "peagle-target"
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "peagle_ray.capture.connector")
@@ -34,37 +34,31 @@ GPU_CONNECTOR = ("ExampleHiddenStatesConnector", None)
 class EngineSpec:
     """What the replica needs to build its engine; plain data so it travels to any node."""
 
-    target_dir: str
-    dtype: str
-    max_model_len: int
-    layer_ids: list[int]  # aux layers then the last layer (L): what the connector captures, in order
-    trust_remote_code: bool
-    seed: int = 0
+    engine_args: dict  # engine.engine_args of the target, with the extract_hidden_states speculative config
+    on_gpu: bool  # capture.num_gpus > 0: vLLM's stock connector; on CPU ours
+    num_layers: int  # layers captured: the aux layers, then the last layer
 
 
-def engine_kwargs(spec: EngineSpec, storage_dir: str, use_gpu: bool) -> dict:
-    connector, module = GPU_CONNECTOR if use_gpu else CPU_CONNECTOR
-    kv_transfer = {
+def capture_speculative_config(layer_ids: list[int]) -> dict:
+    """vLLM's extract_hidden_states method: the inputs of `layer_ids` (aux layers, then the last layer L)."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    }
+
+
+def kv_transfer_config(on_gpu: bool, storage_dir: str) -> dict:
+    """The hidden-states connector writing each request's states under storage_dir on the replica's node."""
+    connector, module = GPU_CONNECTOR if on_gpu else CPU_CONNECTOR
+    config = {
         "kv_connector": connector,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": storage_dir},
     }
     if module:
-        kv_transfer["kv_connector_module_path"] = module
-    return dict(
-        model=spec.target_dir,
-        dtype=spec.dtype,
-        max_model_len=spec.max_model_len,
-        enforce_eager=not use_gpu,  # CPU: skip long compiles
-        trust_remote_code=spec.trust_remote_code,
-        seed=spec.seed,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec.layer_ids}},
-        },
-        kv_transfer_config=kv_transfer,
-    )
+        config["kv_connector_module_path"] = module
+    return config
 
 
 @serve.deployment(name="TargetServer", max_ongoing_requests=64)
@@ -74,9 +68,9 @@ class TargetServer:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.storage_dir = tempfile.mkdtemp(prefix="peagle-hidden-")
-        args = AsyncEngineArgs(**engine_kwargs(spec, self.storage_dir, torch.cuda.is_available()))
+        args = AsyncEngineArgs(**spec.engine_args, kv_transfer_config=kv_transfer_config(spec.on_gpu, self.storage_dir))
         self.engine = AsyncLLM.from_engine_args(args)
-        self.num_layers = len(spec.layer_ids)
+        self.num_layers = spec.num_layers
 
     async def _run(self, token_ids: list[int], sampling) -> tuple[list[int], str | None]:
         from vllm.inputs import TokensPrompt
@@ -134,17 +128,13 @@ def engine_spec(cfg: PeagleConfig, target_dir, num_target_layers: int) -> Engine
     """Aux layers from config (default: the paper's 2, L/2, L-1) followed by the last layer L."""
     from peagle_ray.target import read_target_info
 
-    aux = cfg.capture.aux_layer_ids or read_target_info(target_dir).default_aux_layer_ids()
+    aux = read_target_info(target_dir).aux_layer_ids(cfg.capture.aux_layer_ids)
     if max(aux) >= num_target_layers:
         raise ValueError(f"capture.aux_layer_ids must be below the target's {num_target_layers} layers; got {aux}")
-    return EngineSpec(
-        str(target_dir),
-        cfg.target.dtype,
-        cfg.target.max_model_len,
-        list(aux) + [num_target_layers],
-        cfg.target.trust_remote_code,
-        cfg.training.seed,
-    )
+    layer_ids = list(aux) + [num_target_layers]
+    on_gpu = cfg.capture.num_gpus > 0
+    args = engine_args(cfg, target_dir, on_gpu, capture_speculative_config(layer_ids))
+    return EngineSpec(args, on_gpu, len(layer_ids))
 
 
 def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
@@ -152,8 +142,8 @@ def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
     spec = engine_spec(cfg, target_dir, num_target_layers)
     env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
     # On CPU the engine uses the cores regardless; reserving them would starve the Ray Data actors on a
-    # small machine, so the replica claims none. On GPU it claims one GPU.
-    options = {"num_cpus": 0, "num_gpus": 1 if cfg.training.use_gpu else 0, "runtime_env": {"env_vars": env}}
+    # small machine, so the replica claims none. On GPU it claims capture.num_gpus.
+    options = {"num_cpus": 0, "num_gpus": cfg.capture.num_gpus, "runtime_env": {"env_vars": env}}
     app = TargetServer.options(ray_actor_options=options).bind(spec)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 

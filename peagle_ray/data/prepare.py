@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 TOKEN_COUNTS = "token_counts.safetensors"
+SUMMARY = "summary.json"  # sample, token and bad-row counts of a prepared data directory
+SPLITS = ("train", "validation")
 BAD_ROW_REASONS = (
     "invalid_json",  # a JSONL line that does not parse as JSON
     "invalid_utf8",  # a line that is not UTF-8 text
@@ -330,7 +332,7 @@ def write_prepared(
     counts = torch.zeros(vocab_size, dtype=torch.long)
     written: Counter = Counter()
     tokens = 0
-    files = {split: (out_dir / f"{split}.jsonl").open("w") for split in ("train", "validation")}
+    files = {split: prepared_file(out_dir, split).open("w") for split in SPLITS}
     try:
         for sample in samples:
             files[sample.split].write(json.dumps(asdict(sample)) + "\n")
@@ -351,7 +353,7 @@ def write_prepared(
         "bad_rows": dict(bad.counts),
         "bad_row_examples": bad.examples,
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -359,6 +361,16 @@ def read_token_counts(out_dir: Path) -> torch.Tensor:
     return load_file(str(Path(out_dir) / TOKEN_COUNTS))["counts"]
 
 
+def prepared_file(out_dir: str | Path, split: str) -> Path:
+    return Path(out_dir) / f"{split}.jsonl"
+
+
+def read_summary(out_dir: str | Path) -> dict | None:
+    """The prepared directory's summary.json, or None where nothing was prepared."""
+    path = Path(out_dir) / SUMMARY
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def read_prepared(out_dir: Path, split: str) -> list[TokenizedSample]:
-    with (Path(out_dir) / f"{split}.jsonl").open() as f:
+    with prepared_file(out_dir, split).open() as f:
         return [TokenizedSample(**json.loads(line)) for line in f]

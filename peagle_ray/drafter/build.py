@@ -8,7 +8,6 @@ seeded generator.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,11 +17,7 @@ from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.model import Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.drafter.vocab import MaskToken, draft_vocabulary, resolve_mask_token
-
-
-def _text_config(target_dir: Path) -> dict:
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    return cfg.get("text_config", cfg)
+from peagle_ray.target import text_config
 
 
 def rope_theta(cfg: dict) -> float:
@@ -37,7 +32,7 @@ def rope_theta(cfg: dict) -> float:
 def arch_from_target(
     target_dir: Path, drafter: DrafterConfig, draft_vocab_size: int | None, mask_token_id: int | None, num_aux: int
 ) -> DrafterArch:
-    cfg = _text_config(target_dir)
+    cfg = text_config(target_dir)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
     return DrafterArch(
@@ -86,7 +81,7 @@ def build_drafter(
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     generator: torch.Generator,
-    init_std: float = 0.02,
+    init_std: float,
 ) -> tuple[Drafter, Teacher]:
     """A freshly initialised drafter and the teacher head for `arch` over the draft vocabulary `d2t`."""
     embed, lm_head, norm = target_head(target_dir)
@@ -120,7 +115,7 @@ def drafter_for_target(
     """
     from transformers import AutoTokenizer
 
-    info_vocab = _text_config(target_dir)["vocab_size"]
+    info_vocab = text_config(target_dir)["vocab_size"]
     mask = None
     if drafter_cfg.algorithm == "peagle":
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
@@ -128,7 +123,7 @@ def drafter_for_target(
     counts = token_counts if token_counts is not None else torch.ones(info_vocab)
     d2t, t2d = draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
     arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
-    drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator)
+    drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator, drafter_cfg.init_std)
     if init_from is not None:
         load_initial_weights(drafter, init_from)
     drafter.lm_head.weight.requires_grad_(not drafter_cfg.freeze_lm_head)

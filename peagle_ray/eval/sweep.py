@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import target_engine_env
+from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.export.speculators import read_drafter, speculative_config
 from peagle_ray.serve.stats import SpecStats
 
@@ -39,8 +39,9 @@ def run_name_for(cfg: PeagleConfig, algorithm: str) -> str:
 
 def default_drafters(cfg: PeagleConfig) -> dict[str, Path]:
     """The exports of this config's training runs that exist: {algorithm: <storage>/<run name>/export}."""
-    storage = Path(cfg.training.storage_path)
-    found = {a: storage / run_name_for(cfg, a) / "export" for a in ALGORITHMS}
+    from peagle_ray.export.speculators import export_dir
+
+    found = {a: export_dir(cfg.training.storage_path, run_name_for(cfg, a)) for a in ALGORITHMS}
     return {a: d for a, d in found.items() if (d / "config.json").is_file()}
 
 
@@ -94,11 +95,10 @@ def run_engine(
     prompts: dict[str, list[list[int]]],
     timing_prompts: int,
 ) -> dict:
+    import torch
+
     spec = {
-        "target": str(target_dir),
-        "dtype": cfg.target.dtype,
-        "max_model_len": cfg.target.max_model_len,
-        "speculative_config": spec_config,
+        "engine_args": engine_args(cfg, target_dir, torch.cuda.is_available(), spec_config),
         "max_new_tokens": cfg.eval.max_new_tokens,
         "acceptance": prompts,
         "timing": {c: p[:timing_prompts] for c, p in prompts.items()},

@@ -3,7 +3,7 @@ process per configuration keeps timings independent):
 
     python -m peagle_ray.eval.vllm_run SPEC.json OUT.json
 
-SPEC: {"target", "dtype", "max_model_len", "speculative_config" (or null), "max_new_tokens",
+SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_tokens",
        "acceptance": {category: [prompt ids, ...]}, "timing": {category: [prompt ids, ...]}}
 OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
        "timing": {category: {"tokens": n, "seconds": s, "counters": {...}}}, "engine_start_s": s}
@@ -29,17 +29,7 @@ def run(spec: dict) -> dict:
     from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
 
     started = time.perf_counter()
-    kwargs = {"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}
-    llm = LLM(
-        model=spec["target"],
-        dtype=spec["dtype"],
-        max_model_len=spec["max_model_len"],
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
-        load_format="safetensors",
-        **kwargs,
-    )
+    llm = LLM(**spec["engine_args"])
     out = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
     sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
     stats = lambda: SpecStats.from_counters(counters_from_snapshot(llm.get_metrics()))  # noqa: E731

@@ -11,22 +11,22 @@ an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_
   * GET /v1/speculative_stats: drafts, accepted tokens, acceptance per position and AL as JSON, and the
     same as Prometheus gauges (peagle_acceptance_length, peagle_acceptance_rate{position}) on /metrics.
 
-    url = start_endpoint(cfg, target_dir, drafter_dir)     # serve.run; blocks until ready
+    url = start_endpoint(cfg, target_dir, read_drafter(drafter_dir))     # serve.run; blocks until ready
     stop_endpoint()
 """
 
 from __future__ import annotations
 
-import json
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ray import serve
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import target_engine_env
-from peagle_ray.export.speculators import DrafterInfo, read_drafter, speculative_config
+from peagle_ray.engine import cli_args, engine_args, target_engine_env
+from peagle_ray.export.speculators import DrafterInfo, export_dir, read_drafter, speculative_config
 from peagle_ray.serve.limits import Limits, admit
 
 APP_NAME = "peagle-openai"
@@ -47,27 +47,10 @@ def vllm_args(
     k: int | None = None,
     served_name: str | None = None,
 ) -> list[str]:
-    """vLLM OpenAI-server command-line arguments for the target (+ drafter)."""
-    args = [
-        "--model",
-        str(target_dir),
-        "--served-model-name",
-        served_name or Path(target_dir).name,
-        "--dtype",
-        cfg.target.dtype,
-        "--max-model-len",
-        str(cfg.target.max_model_len),
-        "--load-format",
-        "safetensors",
-        "--seed",
-        "0",
-    ]
-    if not cfg.training.use_gpu:
-        args.append("--enforce-eager")  # CPU: skip long compiles
-    if cfg.target.trust_remote_code:
-        args.append("--trust-remote-code")
-    if drafter is not None:
-        args += ["--speculative-config", json.dumps(speculative_config(drafter, k))]
+    """vLLM OpenAI-server command-line arguments for the target (+ drafter): engine.engine_args as flags."""
+    spec = speculative_config(drafter, k) if drafter is not None else None
+    args = cli_args(engine_args(cfg, target_dir, cfg.serving.num_gpus > 0, spec))
+    args += ["--served-model-name", served_name or Path(target_dir).name]
     if cfg.serving.api_token:
         args += ["--api-key", cfg.serving.api_token]
     return args
@@ -207,13 +190,12 @@ class _no_lifespan:
         return False
 
 
-def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, k: int | None = None):
-    """The Serve application (bind only; `serve run` / `serve.run` deploys it)."""
-    drafter = read_drafter(drafter_dir) if drafter_dir else None
+def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None):
+    """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter."""
     k = k or cfg.serving.num_speculative_tokens
     spec = EndpointSpec(vllm_args(cfg, target_dir, drafter, k), str(target_dir), request_limits(cfg), drafter)
     env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
-    options = {"num_cpus": 0, "num_gpus": 1 if cfg.training.use_gpu else 0, "runtime_env": {"env_vars": env}}
+    options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
     return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)
 
 
@@ -231,11 +213,38 @@ def ensure_serve_http(host: str, port: int) -> None:
     serve.start(http_options={"host": host, "port": port})
 
 
-def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter_dir: Path | None, k: int | None = None) -> str:
+def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None) -> str:
     """Deploy on the running Ray cluster; returns the base URL once the replica is ready."""
     ensure_serve_http(cfg.serving.host, cfg.serving.port)
-    serve.run(endpoint_app(cfg, target_dir, drafter_dir, k), name=APP_NAME, route_prefix="/")
+    serve.run(endpoint_app(cfg, target_dir, drafter, k), name=APP_NAME, route_prefix="/")
     return f"http://{cfg.serving.host}:{cfg.serving.port}"
+
+
+def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = None, detach: bool = False) -> None:
+    """`peagle-ray serve`: the target with the drafter exported in drafter_dir (None: the target alone) on Ray
+    Serve until Ctrl-C / SIGTERM, which stop the endpoint and raise KeyboardInterrupt. A bad target or drafter fails before Ray starts. With detach, return
+    once deployed (the endpoint keeps running on the cluster)."""
+    import time
+
+    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.target import resolve_target_path
+
+    target = resolve_target_path(cfg)
+    drafter = read_drafter(drafter_dir) if drafter_dir is not None else None
+    ensure_ray()
+    url = start_endpoint(cfg, target, drafter, k)
+    print(endpoint_banner(url, cfg), flush=True)
+    if detach:
+        return
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping the endpoint", file=sys.stderr)
+        raise  # the CLI stops Ray and exits 128 + the signal
+    finally:
+        stop_endpoint()
+        serve.shutdown()
 
 
 def stop_endpoint() -> None:
@@ -250,7 +259,7 @@ def stop_endpoint() -> None:
 
 def default_drafter_dir(cfg: PeagleConfig) -> Path:
     """Where the training job exports its best drafter for this config's run."""
-    return Path(cfg.training.storage_path) / cfg.training.run_name / "export"
+    return export_dir(cfg.training.storage_path, cfg.training.run_name)
 
 
 def app_builder(args: dict):
@@ -268,7 +277,7 @@ def app_builder(args: dict):
     return endpoint_app(
         cfg,
         resolve_target_path(cfg),
-        Path(drafter) if drafter != "none" else None,
+        read_drafter(Path(drafter)) if drafter != "none" else None,
         int(args["k"]) if args.get("k") else None,
     )
 

@@ -1,0 +1,257 @@
+"""The Ray Train worker loop: records -> steps -> validation -> metrics and checkpoints (rank 0).
+
+Every rank builds the drafter (same seed), resumes from Ray Train's latest checkpoint if there is one, and
+loops: sequences_per_step records -> `train_step` (COD, masks, partitioning) -> gradients all-reduced over
+the workers -> clip -> AdamW step. Every validate_every steps rank 0 measures the validation split
+(per-depth accuracy, offline greedy acceptance per position, AL), flushes its held metrics to MLflow
+(`tracking.MetricLog`), then every rank reports and rank 0 attaches the checkpoint (train/checkpoint.py).
+Metrics are flushed before the checkpoint that covers them, and on resume steps already in MLflow are not
+logged again, so a crash leaves neither gaps nor duplicates in the metric history.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import resource
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from peagle_ray.config import PeagleConfig
+from peagle_ray.drafter.build import drafter_for_target
+from peagle_ray.drafter.replay import Acceptance, replay_greedy
+from peagle_ray.tracking import MetricLog
+from peagle_ray.train.checkpoint import load_checkpoint, save_checkpoint
+from peagle_ray.train.elements import TrainSequence
+from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward, train_step
+
+
+def to_sequence(record: dict) -> TrainSequence:
+    """A captured record (numpy or torch fields) -> a training sequence."""
+    t = lambda key, dtype: torch.as_tensor(record[key]).to(dtype)  # noqa: E731
+    return TrainSequence.from_record(
+        t("input_ids", torch.long),
+        t("loss_mask", torch.long),
+        t("aux_hidden", torch.float32),
+        t("last_hidden", torch.float32),
+    )
+
+
+def full_batches(records: Iterator[dict], size: int) -> Iterator[list[TrainSequence]]:
+    """Consecutive batches of `size` training sequences; a short tail is dropped."""
+    while len(batch := [to_sequence(r) for r in itertools.islice(records, size)]) == size:
+        yield batch
+
+
+def cycle_records(shard, epochs: int) -> Iterator[dict]:
+    """Rows of a dataset shard, epoch after epoch (each epoch re-streams; online mode re-captures)."""
+    for _ in range(epochs):
+        yield from shard.iter_rows()
+
+
+def all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
+    if world > 1:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        torch.distributed.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def all_reduce_stats(stats: StepStats, world: int) -> StepStats:
+    if world > 1:
+        k = len(stats.depth_count)
+        flat = torch.tensor(
+            [stats.loss, *stats.depth_kl, *stats.depth_correct, *stats.depth_count], dtype=torch.float64
+        )
+        torch.distributed.all_reduce(flat)
+        stats.loss = float(flat[0]) / world
+        stats.depth_kl = flat[1 : 1 + k].tolist()
+        stats.depth_correct = [int(x) for x in flat[1 + k : 1 + 2 * k]]
+        stats.depth_count = [int(x) for x in flat[1 + 2 * k :]]
+    return stats
+
+
+def step_throughput(positions: int, seconds: float, world: int, device: torch.device) -> dict[str, float]:
+    """Base tokens/s of the whole step (all workers' positions over the slowest worker's time) and the
+    largest per-worker peak memory so far (RSS on CPU, allocated memory on GPU)."""
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    total = torch.tensor([float(positions)], dtype=torch.float64)
+    slowest = torch.tensor([seconds, peak_mb], dtype=torch.float64)
+    if world > 1:
+        torch.distributed.all_reduce(total)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+    return {"train/tokens_per_s": float(total[0] / slowest[0]), "train/peak_memory_mb": float(slowest[1])}
+
+
+def broadcast_from_rank0(value: dict, world: int) -> dict:
+    if world > 1:
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def validation_subset(rows, tcfg) -> list[dict]:
+    """The validation records measured: in sample-id order (the read order is not fixed), the first
+    training.validation_records of them."""
+    return sorted(rows, key=lambda r: r["sample_id"])[: tcfg.validation_records]
+
+
+def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator) -> dict[str, float]:
+    """Per-depth accuracy and loss on validation records, and offline greedy acceptance per position."""
+    drafter.eval()
+    replayer = drafter if drafter.embed_tokens.weight.device.type == "cpu" else copy.deepcopy(drafter).cpu()
+    stats = StepStats()
+    k_draft = cfg.drafter.num_depths
+    acceptance = Acceptance(k_draft)
+    for record in records:
+        seq = to_sequence(record)
+        elements, dense = sample_elements(seq, cfg.drafter, generator)
+        stats.add(
+            sequence_backward(
+                drafter,
+                teacher,
+                seq,
+                elements,
+                cfg.training.segment_length,
+                cfg.training.depth_weights,
+                scale=1 / len(records),
+                dense_mask=dense,
+                backward=False,
+                bf16=cfg.training.precision == "bfloat16",
+            )
+        )
+        ids, loss_mask = torch.as_tensor(record["input_ids"]).long(), torch.as_tensor(record["loss_mask"]).bool()
+        start = int(loss_mask.nonzero()[0]) if loss_mask.any() else len(ids)  # replay the assistant's answer
+        replay_greedy(replayer, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
+    drafter.train()
+    metrics = {"val/loss": stats.loss, "val/acceptance_length": acceptance.acceptance_length}
+    metrics.update({f"val/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()) if not math.isnan(a)})
+    metrics.update({f"val/acceptance_pos_{i + 1}": r for i, r in enumerate(acceptance.rates())})
+    return metrics
+
+
+def failing_once(batches: Iterator, first_step: int, crash_step: int, marker: Path) -> Iterator:
+    """training.crash_once_at_step (fault-injection tests): the batches, but reading the one for crash_step
+    raises once per run (a marker file remembers it), as a worker dying mid-run would."""
+    for step, batch in enumerate(batches, start=first_step):
+        if step == crash_step and not marker.exists():
+            marker.write_text(f"crashed at step {step}")
+            raise RuntimeError(f"injected failure at step {step} (training.crash_once_at_step)")
+        yield batch
+
+
+def train_worker(plan: dict) -> None:
+    """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
+    import ray.train
+    import ray.train.torch
+
+    from peagle_ray.capture.pipeline import read_split
+
+    cfg = PeagleConfig.model_validate(plan["config"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    counts = load_file(plan["token_counts"])["counts"]
+    drafter, teacher, _ = drafter_for_target(
+        Path(plan["target_dir"]),
+        cfg.drafter,
+        counts,
+        len(plan["aux_layer_ids"]),
+        torch.Generator().manual_seed(cfg.training.seed),
+        init_from=cfg.training.init_from,
+    )
+    device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.training.cpus_per_worker)  # whatever OMP_NUM_THREADS the process inherited
+    drafter, teacher = drafter.to(device), teacher.to(device)
+    optimizer, scheduler = make_optimizer(drafter, cfg.training)
+    generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)  # COD differs per rank
+    state = {
+        "step": 0,
+        "best_al": -1.0,
+        "best_step": None,
+        "target_dir": plan["target_dir"],
+        "aux_layer_ids": plan["aux_layer_ids"],
+        "num_speculative_tokens": cfg.drafter.num_depths,
+        "max_model_len": cfg.target.max_model_len,
+    }  # what a standalone export needs
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
+    log = MetricLog(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricLog(None, None)
+    if plan["offline_dir"]:  # each rank reads its share of the shards itself: no Ray Data executor to feed
+        shards = Path(plan["offline_dir"])
+        validation_rows = read_split(shards, "validation") if rank == 0 else []
+        records = (r for _ in range(cfg.training.epochs) for r in read_split(shards, "train", rank, world))
+    else:
+        validation_rows = ray.train.get_dataset_shard("validation").iter_rows() if rank == 0 else []
+        records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
+    validation = validation_subset(validation_rows, cfg.training)
+    tcfg, k = cfg.training, cfg.drafter.trained_depths
+
+    batches = full_batches(records, tcfg.sequences_per_step)
+    if tcfg.crash_once_at_step is not None and rank == min(1, world - 1):
+        batches = failing_once(batches, state["step"], tcfg.crash_once_at_step, Path(plan["crash_marker"]))
+    batch = next(batches, None)
+    for step in range(state["step"], tcfg.max_steps):
+        if batch is None:
+            break  # data exhausted (epochs done); equal shares end every rank together
+        next_batch = next(batches, None)  # read ahead: the step before the data runs out is a last step too
+        started = time.perf_counter()
+        stats = train_step(
+            drafter,
+            teacher,
+            optimizer,
+            scheduler,
+            batch,
+            cfg.drafter,
+            tcfg,
+            generator,
+            reduce_grads=lambda grads: all_reduce_mean(grads, world),
+        )
+        speed = step_throughput(stats.positions, time.perf_counter() - started, world, device)
+        stats = all_reduce_stats(stats, world)
+        metrics = {
+            "train/loss": stats.loss,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/elements": stats.elements,
+            "train/segments": stats.segments,
+            **speed,
+        }
+        metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
+        if step % tcfg.log_every == 0:
+            log(step, metrics)
+
+        last = step == tcfg.max_steps - 1 or next_batch is None
+        batch = next_batch
+        if (step + 1) % tcfg.validate_every == 0 or last:
+            val = (
+                validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed))
+                if rank == 0
+                else {}
+            )
+            val = broadcast_from_rank0(val, world)  # every rank reports the same metrics (checkpoint scoring)
+            log(step, val)
+            report = {"step": step, **metrics, **val}
+            if val["val/acceptance_length"] > state["best_al"]:
+                state.update(best_al=val["val/acceptance_length"], best_step=step)
+            log.flush()
+            state["step"] = step + 1
+            with tempfile.TemporaryDirectory() as tmp:
+                if rank == 0:
+                    save_checkpoint(Path(tmp), drafter, optimizer, scheduler, generator, state)
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)

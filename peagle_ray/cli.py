@@ -347,12 +347,14 @@ BENCHES = {
     "mask": Bench(
         "mask",
         "run",
-        "Attention-mask time per step: amortized (built once, sliced) vs rebuilt.",
-        ("max_positions", "num_depths", "steps"),
+        "Attention-mask ms per step, rebuilt (the job) vs gathered from a table built once, against the "
+        "training step's time.",
+        ("max_positions", "depths", "steps", "draft_vocab_size"),
         (
-            arg("--max-positions", type=int, nargs="+", help="Longest sequence of each mask."),
-            arg("--depths", dest="num_depths", type=int, help="K."),
-            arg("--steps", type=int, help="Steps timed (random lengths between N/2 and N)."),
+            arg("--max-positions", type=int, nargs="+", help="Positions N of each row."),
+            arg("--depths", type=int, nargs="+", help="K of each row (zipped with --max-positions)."),
+            arg("--steps", type=int, help="Steps timed per row (median)."),
+            arg("--draft-vocab-size", type=int),
         ),
     ),
     "capture": Bench(

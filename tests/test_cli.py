@@ -31,11 +31,13 @@ def test_bench_e2e_without_any_drafter_fails_clearly(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_mask_writes_json(tmp_path):
     out = tmp_path / "mask.json"
-    result = run_cli("bench", "mask", "--max-positions", "64", "128", "--steps", "3", "--json", str(out))
+    args = ["--max-positions", "64", "96", "--depths", "3", "4", "--steps", "2", "--draft-vocab-size", "128"]
+    result = run_cli("bench", "mask", *args, "--json", str(out))
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [r["max_positions"] for r in rows] == [64, 128]
-    assert all(r["rebuilt_ms_per_step"] > 0 and r["amortized_ms_per_step"] > 0 for r in rows)
+    assert [(r["max_positions"], r["depths"], r["table_mb"]) for r in rows] == [(64, 3, 0.0), (96, 4, 0.1)]
+    assert all(r["rebuilt_ms_per_step"] > 0 and r["table_gather_ms_per_step"] > 0 and r["step_s"] > 0 for r in rows)
+    assert all(0 < r["mask_share_of_step"] < 1 for r in rows)
 
 
 @pytest.mark.slow

@@ -206,26 +206,6 @@ def test_eagle3_propose_with_cache_equals_the_training_forward(layers):
     assert draft.tolist() == (expected + drafter.d2t[expected]).tolist()
 
 
-@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
-def test_amortized_mask_step_equals_a_freshly_masked_step(algorithm):
-    from peagle_ray.config import DrafterConfig
-    from peagle_ray.train.masks import AmortizedMask
-    from peagle_ray.train.step import sample_elements
-
-    seq = random_sequence([14, 16])
-    amortized = AmortizedMask(40, 3, 0.7, 0.2, torch.Generator().manual_seed(0))
-    elements, dense = sample_elements(seq, DrafterConfig(algorithm=algorithm, num_depths=3), None, amortized)
-    assert dense is not None and dense.shape == (len(elements), len(elements))
-    drafter, teacher = tiny_drafter(tiny_arch(algorithm, num_depths=3))
-    sliced = sequence_backward(drafter, teacher, seq, elements, 10**6, None, dense_mask=dense)
-    expected = grads(drafter)
-    drafter.zero_grad(set_to_none=True)
-    fresh = sequence_backward(drafter, teacher, seq, elements, 10**6, None)
-    assert sliced.loss == pytest.approx(fresh.loss, rel=1e-12)
-    for name, g in grads(drafter).items():
-        torch.testing.assert_close(g, expected[name])
-
-
 def test_the_learning_rate_warms_up_from_zero_then_decays_by_cosine():
     from peagle_ray.config import TrainingConfig
     from peagle_ray.train.step import make_optimizer

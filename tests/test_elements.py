@@ -5,7 +5,6 @@ import torch
 
 from peagle_ray.drafter.elements import Elements, attention_mask
 from peagle_ray.train.elements import TrainSequence, cod_keep_fraction, cod_sample
-from peagle_ray.train.masks import AmortizedMask, position_major
 from peagle_ray.train.partition import balanced_boundaries, partition
 
 
@@ -94,32 +93,6 @@ def test_attention_mask_matches_the_worked_example():
         dtype=torch.bool,
     )
     assert torch.equal(attention_mask(WORKED, WORKED, WORKED_DOCS), expected)
-
-
-def test_position_major_layout():
-    elements = Elements(torch.tensor([0, 1, 2, 3, 1, 2, 1]), torch.tensor([0, 0, 0, 0, 1, 1, 2]))
-    assert position_major(elements).pairs() == [(0, 0), (1, 0), (2, 0), (1, 1), (3, 0), (2, 1), (1, 2)]
-
-
-@pytest.mark.parametrize("n", [1, 2, 7, 33, 64])
-def test_amortized_mask_slice_equals_a_fresh_mask(n):
-    amortized = AmortizedMask(64, num_depths=4, keep_ratio=0.7, min_ratio=0.2, generator=gen(3))
-    elements, mask = amortized.for_length(n)
-    assert int(elements.position.max()) < n
-    assert len(elements) == int((amortized.elements.position < n).sum())  # every element that fits
-    assert torch.equal(mask, attention_mask(elements, elements, torch.zeros(n, dtype=torch.long)))
-
-
-def test_amortized_mask_with_documents_equals_a_fresh_mask():
-    amortized = AmortizedMask(40, 3, 0.7, 0.2, gen(1))
-    doc_ids = torch.tensor([0] * 12 + [1] * 18)
-    elements, mask = amortized.for_length(30, doc_ids)
-    assert torch.equal(mask, attention_mask(elements, elements, doc_ids))
-
-
-def test_amortized_mask_rejects_lengths_past_its_maximum():
-    with pytest.raises(ValueError, match=r"n must be in 1\.\.16 \(the amortized maximum\); got 17"):
-        AmortizedMask(16, 3, 0.7, 0.2, gen()).for_length(17)
 
 
 def test_partition_matches_the_worked_example():

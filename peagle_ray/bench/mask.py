@@ -1,7 +1,16 @@
-"""`peagle-ray bench mask`: attention-mask time per step, amortized (built once, sliced) vs rebuilt.
+"""`peagle-ray bench mask`: where the attention mask stands in a training step (why the job rebuilds it).
 
-Each step draws a sequence length in [N/2, N] (as real data varies); 'rebuilt' runs COD sampling and builds
-the mask for that length, 'amortized' slices the mask built once for N.
+For each (N, K): a fresh COD sampling per step (as the job samples), and
+  * rebuilt_ms      - the dense mask built from the sampled elements (the job's CPU path),
+  * table_gather_ms - the same mask gathered from a table of every (anchor, depth) pair built once for N
+                      (the paper's amortization made gradient-equivalent to fresh sampling), with the
+                      table's size and build time (it grows as (N K)^2: 4 GiB at N = 8192, K = 8),
+  * step_s          - one forward + backward of a SmolLM2-shaped drafter (1 layer, draft vocabulary 32768,
+                      frozen head, float32) on those elements, masks rebuilt inside,
+  * mask_share_of_step = rebuilt_ms / step_s.
+On GPU the step uses a flex BlockMask (create_block_mask over the rule's mask_mod), which a dense table cannot
+feed; on CPU the rebuilt mask is ~1% of a step (measured: 0.6% at N = 1024, K = 4; 1.8% at N = 2048, K = 8),
+so the job rebuilds it.
 """
 
 from __future__ import annotations
@@ -11,46 +20,68 @@ import time
 
 import torch
 
+from peagle_ray.bench.shapes import bench_arch, random_drafter
 from peagle_ray.config import DrafterConfig
-from peagle_ray.drafter.elements import attention_mask
-from peagle_ray.train.elements import cod_sample
-from peagle_ray.train.masks import AmortizedMask
+from peagle_ray.drafter.elements import Elements, attention_mask
+from peagle_ray.train.elements import TrainSequence, cod_sample
+from peagle_ray.train.step import sequence_backward
+
+UNPARTITIONED = 10**9
 
 
-def _median_ms(fn, lengths) -> float:
-    times = []
-    for n in lengths:
-        start = time.perf_counter()
-        fn(n)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def run(max_positions: tuple[int, ...] = (1024, 2048, 4096), num_depths: int = 4, steps: int = 10) -> dict:
-    rows, cod = [], DrafterConfig()  # the configured COD ratios
-    for n_max in max_positions:
-        g = torch.Generator().manual_seed(0)
-        lengths = torch.randint(n_max // 2, n_max + 1, (steps,), generator=g).tolist()
-        start = time.perf_counter()
-        amortized = AmortizedMask(n_max, num_depths, cod.cod_keep_ratio, cod.cod_min_ratio, g)
-        build_ms = 1000 * (time.perf_counter() - start)
+def one_shape(n: int, k: int, steps: int, draft_vocab_size: int, generator: torch.Generator) -> dict:
+    cod = DrafterConfig(num_depths=k)
+    grid = Elements(torch.arange(n).repeat_interleave(k), torch.arange(k).repeat(n))  # every (anchor, depth)
+    one_document = torch.zeros(n, dtype=torch.long)
+    table = {}
+    build_s = _seconds(lambda: table.setdefault("mask", attention_mask(grid, grid, one_document)))
+    arch = bench_arch("peagle", k, draft_vocab_size)
+    drafter, teacher = random_drafter(arch)
+    drafter.lm_head.weight.requires_grad_(False)
+    t = n + 1
+    seq = TrainSequence.from_record(
+        torch.randint(0, arch.vocab_size - 1, (t,), generator=generator),
+        torch.ones(t),
+        torch.randn(t, 3 * arch.hidden_size, generator=generator),
+        torch.randn(t, arch.hidden_size, generator=generator),
+    )
+    rebuilt, gathered, step = [], [], []
+    for _ in range(steps):
+        elements = cod_sample(seq.supervised, seq.doc_ids, k, cod.cod_keep_ratio, cod.cod_min_ratio, generator)
+        index = elements.anchor * k + elements.depth
+        rebuilt.append(_seconds(lambda: attention_mask(elements, elements, seq.doc_ids)))
+        gathered.append(_seconds(lambda: table["mask"][index[:, None], index[None, :]]))
+        drafter.zero_grad(set_to_none=True)
+        step.append(_seconds(lambda: sequence_backward(drafter, teacher, seq, elements, UNPARTITIONED, None)))
+    rebuilt_ms, step_s = 1000 * statistics.median(rebuilt), statistics.median(step)
+    return {
+        "max_positions": n,
+        "depths": k,
+        "elements": len(elements),
+        "rebuilt_ms_per_step": round(rebuilt_ms, 3),
+        "table_gather_ms_per_step": round(1000 * statistics.median(gathered), 3),
+        "table_mb": round(table["mask"].numel() / 2**20, 1),
+        "table_build_s": round(build_s, 3),
+        "step_s": round(step_s, 3),
+        "mask_share_of_step": round(rebuilt_ms / 1000 / step_s, 4),
+    }
 
-        def rebuilt(n):
-            sup, doc = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
-            elements = cod_sample(sup, doc, num_depths, cod.cod_keep_ratio, cod.cod_min_ratio, g)
-            return attention_mask(elements, elements, doc)
 
-        rebuilt_ms = _median_ms(rebuilt, lengths)
-        amortized_ms = _median_ms(lambda n: amortized.for_length(n), lengths)
-        rows.append(
-            {
-                "max_positions": n_max,
-                "depths": num_depths,
-                "elements_at_max": len(amortized.elements),
-                "one_time_build_ms": round(build_ms, 3),
-                "rebuilt_ms_per_step": round(rebuilt_ms, 3),
-                "amortized_ms_per_step": round(amortized_ms, 4),
-                "speedup": round(rebuilt_ms / max(amortized_ms, 1e-6), 1),
-            }
-        )
-    return {"rows": rows}
+def run(
+    max_positions: tuple[int, ...] = (1024, 2048),
+    depths: tuple[int, ...] = (4, 8),
+    steps: int = 3,
+    draft_vocab_size: int = 32768,
+) -> dict:
+    """One row per (N, K) pair of max_positions x depths, zipped (N = 1024 with K = 4, 2048 with 8)."""
+    rows = [
+        one_shape(n, k, steps, draft_vocab_size, torch.Generator().manual_seed(0))
+        for n, k in zip(max_positions, depths)
+    ]
+    return {"steps_per_row": steps, "draft_vocab_size": draft_vocab_size, "rows": rows}

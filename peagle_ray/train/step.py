@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from peagle_ray.config import DrafterConfig, TrainingConfig
-from peagle_ray.drafter.elements import Elements, attention_mask
+from peagle_ray.drafter.elements import Elements, attention_mask, flex_mask_mod
 from peagle_ray.drafter.model import Drafter
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.train.elements import TrainSequence, cod_sample
 from peagle_ray.train.loss import kl_loss
-from peagle_ray.train.masks import AmortizedMask, flex_mask_mod
 from peagle_ray.train.partition import balanced_boundaries, partition
 
 
@@ -74,7 +73,7 @@ def element_weights(
     return (per_depth[elements.depth] * trained).to(torch.float32)
 
 
-def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool, dense: torch.Tensor | None = None):
+def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool):
     """mask_fn(rows, cols) between element ranges: dense bool for SDPA (CPU), a BlockMask for flex (GPU)."""
     if use_flex:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -84,8 +83,6 @@ def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool, den
             return create_block_mask(flex_mask_mod(q, k, doc_ids), None, None, len(q), len(k), device=doc_ids.device)
 
         return flex
-    if dense is not None:
-        return lambda rows, cols: dense[rows, cols].to(doc_ids.device)
     return lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), doc_ids)
 
 
@@ -98,7 +95,6 @@ def sequence_backward(
     depth_weights: list[float] | None,
     scale: float = 1.0,
     loss_chunk: int = 1024,
-    dense_mask: torch.Tensor | None = None,
     boundaries: list[int] | None = None,
     backward: bool = True,
     bf16: bool = False,
@@ -106,8 +102,7 @@ def sequence_backward(
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
     With backward=False it only measures (validation): no graph is built.
 
-    `boundaries` overrides the balanced split (tests use it for uneven splits); `dense_mask` is a
-    precomputed (E, E) mask of `elements` (amortized), used only when the sequence is not split.
+    `boundaries` overrides the balanced split (tests use it for uneven splits).
     Runs on the drafter's device; `bf16` turns on bfloat16 autocast (the loss's softmax stays float32).
     """
     k = drafter.arch.num_depths
@@ -135,9 +130,8 @@ def sequence_backward(
         rows = trained[own_index]  # only trained elements reach the loss; the rest have zero gradient
         if not rows.any():
             continue
-        dense = dense_mask if len(segments) == 1 else None
         on_device = segment.elements.to(device)
-        mask_fn = mask_function(on_device, seq.doc_ids.to(device), use_flex, dense)
+        mask_fn = mask_function(on_device, seq.doc_ids.to(device), use_flex)
         own = segment.own.select(rows)
         with torch.set_grad_enabled(backward), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             out = drafter.forward_elements(tokens, hidden, on_device, mask_fn, len(segment.context))
@@ -167,17 +161,9 @@ def _accumulate(stats: StepStats, depth: torch.Tensor, kl: torch.Tensor, correct
     stats.depth_count = [a + b for a, b in zip(stats.depth_count, count)]
 
 
-def sample_elements(
-    seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator, amortized: AmortizedMask | None = None
-) -> tuple[Elements, torch.Tensor | None]:
-    """Fresh COD sampling, or the amortized fixed sampling with its pre-built mask."""
-    if amortized is not None:
-        elements, mask = amortized.for_length(seq.num_positions, seq.doc_ids)
-        if drafter_cfg.algorithm == "peagle":  # one forward over all depths: any element order works
-            return elements, mask
-        order = torch.argsort(elements.depth, stable=True)  # EAGLE-3 runs depth by depth: depth-major
-        return elements.select(order), mask[order][:, order]
-    elements = cod_sample(
+def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator) -> Elements:
+    """This step's fresh COD sampling of the sequence's elements."""
+    return cod_sample(
         seq.supervised,
         seq.doc_ids,
         drafter_cfg.trained_depths,
@@ -185,7 +171,6 @@ def sample_elements(
         drafter_cfg.cod_min_ratio,
         generator,
     )
-    return elements, None
 
 
 def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Generator) -> TrainSequence:
@@ -216,7 +201,6 @@ def train_step(
     drafter_cfg: DrafterConfig,
     cfg: TrainingConfig,
     generator: torch.Generator,
-    amortized: AmortizedMask | None = None,
     reduce_grads: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> StepStats:
     """One optimizer step over `sequences` (gradients accumulated across them), with clipping.
@@ -229,7 +213,7 @@ def train_step(
     for seq in sequences:
         if cfg.feature_noise:
             seq = with_feature_noise(seq, cfg.feature_noise, generator)
-        elements, dense = sample_elements(seq, drafter_cfg, generator, amortized)
+        elements = sample_elements(seq, drafter_cfg, generator)
         stats.add(
             sequence_backward(
                 drafter,
@@ -239,7 +223,6 @@ def train_step(
                 cfg.segment_length,
                 cfg.depth_weights,
                 scale=1.0 / len(sequences),
-                dense_mask=dense,
                 bf16=cfg.precision == "bfloat16",
             )
         )

@@ -118,7 +118,7 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
     acceptance = Acceptance(k_draft)
     for record in records:
         seq = to_sequence(record)
-        elements, dense = sample_elements(seq, cfg.drafter, generator)
+        elements = sample_elements(seq, cfg.drafter, generator)
         stats.add(
             sequence_backward(
                 drafter,
@@ -128,7 +128,6 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
                 cfg.training.segment_length,
                 cfg.training.depth_weights,
                 scale=1 / len(records),
-                dense_mask=dense,
                 backward=False,
                 bf16=cfg.training.precision == "bfloat16",
             )

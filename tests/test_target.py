@@ -50,6 +50,7 @@ def test_converted_target_is_a_plain_llama_with_chat_template(smollm2):
     assert AutoTokenizer.from_pretrained(target).chat_template
 
 
+@pytest.mark.slow  # converts the embedded SmolLM2 (~30 s)
 def test_prepare_is_idempotent(smollm2):
     cache, target = smollm2
     before = (target / MARKER).stat().st_mtime_ns

@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from peagle_ray.bench.shapes import bench_arch, random_drafter
+from peagle_ray.bench.shapes import bench_arch, random_drafter, random_sequence
 from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.elements import Elements, attention_mask
-from peagle_ray.train.elements import TrainSequence, cod_sample
+from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.step import sequence_backward
 
 UNPARTITIONED = 10**9
@@ -44,13 +44,7 @@ def one_shape(n: int, k: int, steps: int, draft_vocab_size: int, generator: torc
     arch = bench_arch("peagle", k, draft_vocab_size)
     drafter, teacher = random_drafter(arch)
     drafter.lm_head.weight.requires_grad_(False)
-    t = n + 1
-    seq = TrainSequence.from_record(
-        torch.randint(0, arch.vocab_size - 1, (t,), generator=generator),
-        torch.ones(t),
-        torch.randn(t, 3 * arch.hidden_size, generator=generator),
-        torch.randn(t, arch.hidden_size, generator=generator),
-    )
+    seq = random_sequence(arch, n, generator)
     rebuilt, gathered, step = [], [], []
     for _ in range(steps):
         elements = cod_sample(seq.supervised, seq.doc_ids, k, cod.cod_keep_ratio, cod.cod_min_ratio, generator)

@@ -11,6 +11,7 @@ from peagle_ray.drafter.build import arch_from_target
 from peagle_ray.drafter.model import Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.target import read_target_info
+from peagle_ray.train.elements import TrainSequence
 
 # SmolLM2-135M-Instruct (config.json of the embedded target)
 SMOLLM2_SHAPE = dict(
@@ -58,3 +59,15 @@ def random_drafter(arch: DrafterArch, seed: int = 0) -> tuple[Drafter, Teacher]:
         arch.rms_norm_eps,
     )
     return drafter, teacher
+
+
+def random_sequence(arch: DrafterArch, n: int, generator: torch.Generator) -> TrainSequence:
+    """n positions of random tokens and hidden states of arch's shape, every position supervised."""
+    t = n + 1
+    seq = TrainSequence.from_record(
+        torch.randint(0, arch.vocab_size - 1, (t,), generator=generator),
+        torch.ones(t),
+        torch.randn(t, arch.num_aux * arch.hidden_size, generator=generator),
+        torch.randn(t, arch.hidden_size, generator=generator),
+    )
+    return TrainSequence(seq.tokens, seq.hidden, seq.teacher_hidden, torch.ones(n, dtype=torch.bool), seq.doc_ids)

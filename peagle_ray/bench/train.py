@@ -78,10 +78,7 @@ def run(
     import ray
 
     from peagle_ray.capture.run import ensure_ray
-    from peagle_ray.config import with_values
     from peagle_ray.target import resolve_target_path
-    from peagle_ray.tracking import metric_history
-    from peagle_ray.train.job import run_training
 
     ensure_ray()
     target_dir = resolve_target_path(cfg)
@@ -91,44 +88,9 @@ def run(
     with tempfile.TemporaryDirectory(prefix="peagle-bench-train-") as tmp:
         work = Path(tmp)
         synthetic_inputs(work, target_dir, aux, steps * max(workers), seq_len)
-        uri = f"sqlite:///{work / 'mlflow.db'}"
         for n in workers:
-            run_cfg = with_values(
-                cfg,
-                {
-                    "capture.mode": "offline",
-                    "capture.output_dir": str(work / "hidden"),
-                    "data.output_dir": str(work / "data"),
-                    "training.num_workers": n,
-                    "training.max_steps": steps,
-                    "training.validate_every": steps,
-                    "training.sequences_per_step": 1,
-                    "training.log_every": 1,
-                    "training.cpus_per_worker": max(1, cpus // n),
-                    "training.storage_path": str(work / "runs"),
-                    "training.run_name": f"bench-{n}-workers",
-                    "tracking.tracking_uri": uri,
-                    "tracking.registered_model": None,
-                },
-            )
             progress(f"[bench train] {n} worker(s): {steps} steps of {seq_len} positions per worker")
-            started = time.perf_counter()
-            summary = run_training(run_cfg)
-            wall = time.perf_counter() - started
-            history = lambda name: [v for _, v in metric_history(uri, summary["run_id"], name)]  # noqa: E731
-            speed = history("train/tokens_per_s")[1:] or history("train/tokens_per_s")
-            tokens_per_s = statistics.median(speed)
-            results.append(
-                {
-                    "workers": n,
-                    "cpus_per_worker": max(1, cpus // n),
-                    "tokens_per_s": round(tokens_per_s, 1),
-                    "tokens_per_s_per_worker": round(tokens_per_s / n, 1),
-                    "peak_memory_mb_per_worker": round(max(history("train/peak_memory_mb")), 1),
-                    "elements_per_step_per_worker": statistics.median(history("train/elements")),
-                    "job_wall_s": round(wall, 1),
-                }
-            )
+            results.append(one_worker_count(cfg, work, n, max(1, cpus // n), steps))
             progress(f"[bench train] {n} worker(s): {results[-1]}")
     by_workers = {r["workers"]: r for r in results}
     scaling = (by_workers[2]["tokens_per_s"] / by_workers[1]["tokens_per_s"]) if {1, 2} <= by_workers.keys() else None
@@ -146,4 +108,46 @@ def run(
         "results": results,
         "two_worker_speedup": None if scaling is None else round(scaling, 2),
         "peer_trainer": PEER_TRAINER,
+    }
+
+
+def one_worker_count(cfg: PeagleConfig, work: Path, workers: int, cpus_per_worker: int, steps: int) -> dict:
+    """The real training job on the synthetic inputs in `work` with `workers` workers; its MLflow metrics."""
+    from peagle_ray.config import with_values
+    from peagle_ray.tracking import metric_history
+    from peagle_ray.train.job import run_training
+
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    run_cfg = with_values(
+        cfg,
+        {
+            "capture.mode": "offline",
+            "capture.output_dir": str(work / "hidden"),
+            "data.output_dir": str(work / "data"),
+            "training.num_workers": workers,
+            "training.max_steps": steps,
+            "training.validate_every": steps,
+            "training.sequences_per_step": 1,
+            "training.log_every": 1,
+            "training.cpus_per_worker": cpus_per_worker,
+            "training.storage_path": str(work / "runs"),
+            "training.run_name": f"bench-{workers}-workers",
+            "tracking.tracking_uri": uri,
+            "tracking.registered_model": None,
+        },
+    )
+    started = time.perf_counter()
+    summary = run_training(run_cfg)
+    wall = time.perf_counter() - started
+    history = lambda name: [v for _, v in metric_history(uri, summary["run_id"], name)]  # noqa: E731
+    speed = history("train/tokens_per_s")[1:] or history("train/tokens_per_s")  # the first step warms up
+    tokens_per_s = statistics.median(speed)
+    return {
+        "workers": workers,
+        "cpus_per_worker": cpus_per_worker,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_per_worker": round(tokens_per_s / workers, 1),
+        "peak_memory_mb_per_worker": round(max(history("train/peak_memory_mb")), 1),
+        "elements_per_step_per_worker": statistics.median(history("train/elements")),
+        "job_wall_s": round(wall, 1),
     }

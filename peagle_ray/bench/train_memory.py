@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from peagle_ray.bench.shapes import bench_arch, random_drafter
+from peagle_ray.bench.shapes import bench_arch, random_drafter, random_sequence
 from peagle_ray.config import DrafterConfig
-from peagle_ray.train.elements import TrainSequence, cod_sample
+from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.step import sequence_backward
 
 UNPARTITIONED = 10**9  # a segment length no sequence reaches
@@ -57,14 +57,7 @@ def one_step(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CUDA: compiled flex attention
     drafter, teacher = drafter.to(device), teacher.to(device)
     g = torch.Generator().manual_seed(0)
-    t = seq_len + 1
-    seq = TrainSequence.from_record(
-        torch.randint(0, arch.vocab_size - 1, (t,), generator=g),
-        torch.ones(t),
-        torch.randn(t, 3 * arch.hidden_size, generator=g),
-        torch.randn(t, arch.hidden_size, generator=g),
-    )
-    seq = TrainSequence(seq.tokens, seq.hidden, seq.teacher_hidden, torch.ones(seq_len, dtype=torch.bool), seq.doc_ids)
+    seq = random_sequence(arch, seq_len, g)
     cfg = DrafterConfig(num_depths=depths)
     timings = []
     for _ in range(2):

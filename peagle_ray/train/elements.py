@@ -7,13 +7,7 @@ Positions. A record holds token ids x_0..x_{T-1} and the target's hidden states 
 x_0..x_t). As in vLLM's EAGLE drafter, position p pairs the *next* token x_{p+1} with h_p; the drafter there
 predicts x_{p+2}, whose target distribution comes from the target's last hidden state at p+1.
 
-Elements. An element is (anchor a, depth d): it sits at position a + d and predicts the token after position
-a + d. Depth 0 is the next-token (NTP) element of position a; depth d >= 1 is the d-th mask slot of the chain
-anchored at a. Worked example, N = 6, one document, K = 3:
-
-    depth 0: (0,0) (1,0) (2,0) (3,0) (4,0) (5,0)     every position, always
-    depth 1: (1,1) (3,1) (4,1)                       chains whose depth-0 element exists, sampled
-    depth 2: (3,2)                                   only chains that kept depth 1
+Elements (anchor a, depth d) and their worked example: drafter/elements.py.
 
 COD keeps, at depth d, a fraction max(keep_ratio**d, min_ratio) of the supervised positions, drawn only among
 chains that kept depth d-1, whose position a + d is supervised and in the same document. With 0.7 / 0.2

@@ -127,105 +127,106 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
 
 def run_training(cfg: PeagleConfig) -> dict:
     """Train, export the best checkpoint, log everything to MLflow; returns a summary."""
-    import ray
-
-    from peagle_ray.capture.pipeline import capture_dataset, iter_records
-    from peagle_ray.capture.run import ensure_ray, prepared_samples, target_session
-    from peagle_ray.data.prepare import SPLITS, BadRows, prepared_file, read_summary
-    from peagle_ray.export.speculators import export_drafter, provenance
+    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.data.prepare import SPLITS, prepared_file, read_summary
+    from peagle_ray.export.speculators import export_dir as run_export_dir
     from peagle_ray.tracking import find_or_create_run, log_training_data, metric_progress, run_status, tracking_uri
 
     inputs = check_inputs(cfg)
     storage = Path(cfg.training.storage_path).resolve()
-    run_dir = storage / cfg.training.run_name
     ensure_ray()
     with tracking_uri(cfg, storage / "mlflow") as uri:
         run_id, created = find_or_create_run(uri, cfg, storage / "mlflow")
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
         with run_status(uri, run_id):
             data_dir = Path(cfg.data.output_dir)
-            log_training_data(
-                uri, run_id, cfg, read_summary(data_dir), [prepared_file(data_dir, split) for split in SPLITS]
-            )
-            plan = {
-                "config": cfg.model_dump(mode="json"),
-                "target_dir": str(inputs["info"].path),
-                "aux_layer_ids": inputs["aux_layer_ids"],
-                "token_counts": inputs["token_counts"],
-                "tracking_uri": uri,
-                "run_id": run_id,
-                "storage_path": str(storage),
-                "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
-                "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
-            }
-            progress = metric_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}")
-            if cfg.capture.mode == "offline":
-                with progress:
-                    result = _fit(cfg, plan)
-            else:
-                with target_session(cfg) as session:
-                    samples = prepared_samples(cfg)
-                    train = capture_dataset(
-                        [s for s in samples if s.split == "train"],
-                        session.num_layers_captured,
-                        session.info.hidden_size,
-                        cfg.capture.batch_size,
-                        cfg.capture.num_actors,
-                    )
-                    bad = BadRows()
-                    val_rows = capture_dataset(
-                        [s for s in samples if s.split == "validation"],
-                        session.num_layers_captured,
-                        session.info.hidden_size,
-                        cfg.capture.batch_size,
-                        cfg.capture.num_actors,
-                    )
-                    validation = [
-                        {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
-                        for r in iter_records(val_rows.iter_rows(), bad, desc="capture validation")
-                    ]
-                    with progress:
-                        result = _fit(cfg, plan, train, ray.data.from_items(validation))
+            files = [prepared_file(data_dir, split) for split in SPLITS]
+            log_training_data(uri, run_id, cfg, read_summary(data_dir), files)
+            plan = worker_plan(cfg, inputs, uri, run_id, storage)
+            with metric_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}"):
+                result = _fit(cfg, plan) if cfg.capture.mode == "offline" else _fit_online(cfg, plan)
             if result.error is not None:
                 raise result.error
             best, best_metrics = max(result.best_checkpoints, key=lambda cm: _score(cm[1]))
-            with best.as_directory() as directory:
-                drafter = load_drafter_from_checkpoint(Path(directory))
-            export_dir = export_drafter(
-                drafter,
-                run_dir / "export",
-                inputs["info"].path,
-                inputs["aux_layer_ids"],
-                cfg.drafter.num_depths,
-                cfg.target.max_model_len,
-                {"run_id": run_id, "best_step": best_metrics.get("step")},
-            )
-            _log_artifacts(uri, run_id, cfg, run_dir, export_dir, best_metrics, provenance())
+            export = run_export_dir(storage, cfg.training.run_name)
+            _export_best(best, export, cfg, inputs, {"run_id": run_id, "best_step": best_metrics.get("step")})
+            _log_artifacts(uri, run_id, cfg, storage / cfg.training.run_name, export, best_metrics)
     summary = {
         "run_id": run_id,
         "tracking_uri": uri,
         "best_step": best_metrics.get("step"),
         "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
-        "export_dir": str(export_dir),
+        "export_dir": str(export),
         "checkpoint": best.path,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"[train] best step {summary['best_step']}: AL {best_metrics.get('val/acceptance_length', float('nan')):.3f}; "
-        f"exported to {export_dir}"
-    )
+    (storage / cfg.training.run_name / "summary.json").write_text(json.dumps(summary, indent=2))
+    al = best_metrics.get("val/acceptance_length", float("nan"))
+    print(f"[train] best step {summary['best_step']}: AL {al:.3f}; exported to {export}")
     return summary
 
 
-def _log_artifacts(
-    uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict, provenance_record: dict
-) -> None:
+def worker_plan(cfg: PeagleConfig, inputs: dict, uri: str, run_id: str, storage: Path) -> dict:
+    """What every worker gets from the driver: plain data only."""
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "target_dir": str(inputs["info"].path),
+        "aux_layer_ids": inputs["aux_layer_ids"],
+        "token_counts": inputs["token_counts"],
+        "tracking_uri": uri,
+        "run_id": run_id,
+        "storage_path": str(storage),
+        "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
+        "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
+    }
+
+
+def _fit_online(cfg: PeagleConfig, plan: dict):
+    """Capture through the Serve-hosted target while training: the training split streams as a Ray Dataset;
+    the validation split is captured once up front (every validation measures the same records)."""
+    import ray
+
+    from peagle_ray.capture.pipeline import capture_dataset, iter_records
+    from peagle_ray.capture.run import prepared_samples, target_session
+    from peagle_ray.data.prepare import BadRows
+
+    with target_session(cfg) as session:
+        samples = prepared_samples(cfg)
+        capture = lambda split: capture_dataset(  # noqa: E731
+            [s for s in samples if s.split == split],
+            session.num_layers_captured,
+            session.info.hidden_size,
+            cfg.capture.batch_size,
+            cfg.capture.num_actors,
+        )
+        rows = iter_records(capture("validation").iter_rows(), BadRows(), desc="capture validation")
+        validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()} for r in rows]
+        return _fit(cfg, plan, capture("train"), ray.data.from_items(validation))
+
+
+def _export_best(checkpoint, out_dir: Path, cfg: PeagleConfig, inputs: dict, provenance_extra: dict) -> Path:
+    from peagle_ray.export.speculators import export_drafter
+
+    with checkpoint.as_directory() as directory:
+        drafter = load_drafter_from_checkpoint(Path(directory))
+    return export_drafter(
+        drafter,
+        out_dir,
+        inputs["info"].path,
+        inputs["aux_layer_ids"],
+        cfg.drafter.num_depths,
+        cfg.target.max_model_len,
+        provenance_extra,
+    )
+
+
+def _log_artifacts(uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict) -> None:
     from peagle_ray.config import dump_config
+    from peagle_ray.export.speculators import provenance
     from peagle_ray.tracking import log_files, register_model
 
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-    (run_dir / "provenance.json").write_text(json.dumps(provenance_record, indent=2))
+    (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=2))
     plot = acceptance_plot(metrics, run_dir / "acceptance.png", f"{cfg.drafter.algorithm}: validation acceptance")
     log_files(uri, run_id, [run_dir / "config.yaml", run_dir / "provenance.json", plot], dirs={"drafter": export_dir})
     if cfg.tracking.registered_model:

@@ -18,6 +18,7 @@ import resource
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -152,21 +153,34 @@ def failing_once(batches: Iterator, first_step: int, crash_step: int, marker: Pa
         yield batch
 
 
-def train_worker(plan: dict) -> None:
-    """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
+@dataclass
+class Rank:
+    """What one worker holds between steps."""
+
+    cfg: PeagleConfig
+    rank: int
+    world: int
+    device: torch.device
+    drafter: torch.nn.Module
+    teacher: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator  # COD sampling, different per rank
+    state: dict  # step, best AL, and what a standalone export needs (saved in each checkpoint)
+
+
+def build_rank(plan: dict) -> Rank:
+    """The drafter (same seed on every rank), its optimizer, and the state of Ray Train's latest checkpoint."""
     import ray.train
     import ray.train.torch
-
-    from peagle_ray.capture.pipeline import read_split
 
     cfg = PeagleConfig.model_validate(plan["config"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    counts = load_file(plan["token_counts"])["counts"]
     drafter, teacher, _ = drafter_for_target(
         Path(plan["target_dir"]),
         cfg.drafter,
-        counts,
+        load_file(plan["token_counts"])["counts"],
         len(plan["aux_layer_ids"]),
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
@@ -176,7 +190,7 @@ def train_worker(plan: dict) -> None:
         torch.set_num_threads(cfg.training.cpus_per_worker)  # whatever OMP_NUM_THREADS the process inherited
     drafter, teacher = drafter.to(device), teacher.to(device)
     optimizer, scheduler = make_optimizer(drafter, cfg.training)
-    generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)  # COD differs per rank
+    generator = torch.Generator().manual_seed(cfg.training.seed + 1000 * rank)
     state = {
         "step": 0,
         "best_al": -1.0,
@@ -185,72 +199,97 @@ def train_worker(plan: dict) -> None:
         "aux_layer_ids": plan["aux_layer_ids"],
         "num_speculative_tokens": cfg.drafter.num_depths,
         "max_model_len": cfg.target.max_model_len,
-    }  # what a standalone export needs
+    }
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
-    log = MetricLog(plan["tracking_uri"], plan["run_id"]) if rank == 0 else MetricLog(None, None)
-    if plan["offline_dir"]:  # each rank reads its share of the shards itself: no Ray Data executor to feed
-        shards = Path(plan["offline_dir"])
-        validation_rows = read_split(shards, "validation") if rank == 0 else []
-        records = (r for _ in range(cfg.training.epochs) for r in read_split(shards, "train", rank, world))
-    else:
-        validation_rows = ray.train.get_dataset_shard("validation").iter_rows() if rank == 0 else []
-        records = cycle_records(ray.train.get_dataset_shard("train"), cfg.training.epochs)
-    validation = validation_subset(validation_rows, cfg.training)
-    tcfg, k = cfg.training, cfg.drafter.trained_depths
+    return Rank(cfg, rank, world, device, drafter, teacher, optimizer, scheduler, generator, state)
 
+
+def rank_records(plan: dict, r: Rank) -> tuple[Iterator[dict], list[dict]]:
+    """This rank's training records (epoch after epoch) and, on rank 0, the validation records measured.
+    Offline, each rank reads its share of the shards itself (no Ray Data executor to feed); online, the
+    driver's Ray Datasets."""
+    import ray.train
+
+    from peagle_ray.capture.pipeline import read_split
+
+    epochs, first = r.cfg.training.epochs, r.rank == 0
+    if plan["offline_dir"]:
+        shards = Path(plan["offline_dir"])
+        validation_rows = read_split(shards, "validation") if first else []
+        records = (row for _ in range(epochs) for row in read_split(shards, "train", r.rank, r.world))
+    else:
+        validation_rows = ray.train.get_dataset_shard("validation").iter_rows() if first else []
+        records = cycle_records(ray.train.get_dataset_shard("train"), epochs)
+    return records, validation_subset(validation_rows, r.cfg.training)
+
+
+def step_metrics(r: Rank, stats: StepStats, speed: dict[str, float]) -> dict[str, float]:
+    metrics = {
+        "train/loss": stats.loss,
+        "train/grad_norm": stats.grad_norm,
+        "train/lr": r.scheduler.get_last_lr()[0],
+        "train/elements": stats.elements,
+        "train/segments": stats.segments,
+        **speed,
+    }
+    accuracy = stats.accuracy()[: r.cfg.drafter.trained_depths]
+    metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(accuracy) if not math.isnan(a)})
+    return metrics
+
+
+def validate_and_checkpoint(r: Rank, step: int, metrics: dict, validation: list[dict], log: MetricLog) -> None:
+    """Rank 0 validates; every rank reports the same metrics (checkpoint scoring); rank 0's held metrics are
+    written before the checkpoint that covers them, which rank 0 attaches."""
+    import ray.train
+
+    seed = r.cfg.training.seed
+    val = validate(r.drafter, r.teacher, validation, r.cfg, torch.Generator().manual_seed(seed)) if r.rank == 0 else {}
+    val = broadcast_from_rank0(val, r.world)
+    log(step, val)
+    if val["val/acceptance_length"] > r.state["best_al"]:
+        r.state.update(best_al=val["val/acceptance_length"], best_step=step)
+    log.flush()
+    r.state["step"] = step + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        if r.rank == 0:
+            save_checkpoint(Path(tmp), r.drafter, r.optimizer, r.scheduler, r.generator, r.state)
+        checkpoint = ray.train.Checkpoint.from_directory(tmp) if r.rank == 0 else None
+        ray.train.report({"step": step, **metrics, **val}, checkpoint=checkpoint)
+
+
+def train_worker(plan: dict) -> None:
+    """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
+    r = build_rank(plan)
+    tcfg = r.cfg.training
+    records, validation = rank_records(plan, r)
+    log = MetricLog(plan["tracking_uri"], plan["run_id"]) if r.rank == 0 else MetricLog(None, None)
     batches = full_batches(records, tcfg.sequences_per_step)
-    if tcfg.crash_once_at_step is not None and rank == min(1, world - 1):
-        batches = failing_once(batches, state["step"], tcfg.crash_once_at_step, Path(plan["crash_marker"]))
+    if tcfg.crash_once_at_step is not None and r.rank == min(1, r.world - 1):
+        batches = failing_once(batches, r.state["step"], tcfg.crash_once_at_step, Path(plan["crash_marker"]))
     batch = next(batches, None)
-    for step in range(state["step"], tcfg.max_steps):
+    for step in range(r.state["step"], tcfg.max_steps):
         if batch is None:
             break  # data exhausted (epochs done); equal shares end every rank together
         next_batch = next(batches, None)  # read ahead: the step before the data runs out is a last step too
         started = time.perf_counter()
         stats = train_step(
-            drafter,
-            teacher,
-            optimizer,
-            scheduler,
+            r.drafter,
+            r.teacher,
+            r.optimizer,
+            r.scheduler,
             batch,
-            cfg.drafter,
+            r.cfg.drafter,
             tcfg,
-            generator,
-            reduce_grads=lambda grads: all_reduce_mean(grads, world),
+            r.generator,
+            reduce_grads=lambda grads: all_reduce_mean(grads, r.world),
         )
-        speed = step_throughput(stats.positions, time.perf_counter() - started, world, device)
-        stats = all_reduce_stats(stats, world)
-        metrics = {
-            "train/loss": stats.loss,
-            "train/grad_norm": stats.grad_norm,
-            "train/lr": scheduler.get_last_lr()[0],
-            "train/elements": stats.elements,
-            "train/segments": stats.segments,
-            **speed,
-        }
-        metrics.update({f"train/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()[:k]) if not math.isnan(a)})
+        speed = step_throughput(stats.positions, time.perf_counter() - started, r.world, r.device)
+        metrics = step_metrics(r, all_reduce_stats(stats, r.world), speed)
         if step % tcfg.log_every == 0:
             log(step, metrics)
-
-        last = step == tcfg.max_steps - 1 or next_batch is None
         batch = next_batch
-        if (step + 1) % tcfg.validate_every == 0 or last:
-            val = (
-                validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed))
-                if rank == 0
-                else {}
-            )
-            val = broadcast_from_rank0(val, world)  # every rank reports the same metrics (checkpoint scoring)
-            log(step, val)
-            report = {"step": step, **metrics, **val}
-            if val["val/acceptance_length"] > state["best_al"]:
-                state.update(best_al=val["val/acceptance_length"], best_step=step)
-            log.flush()
-            state["step"] = step + 1
-            with tempfile.TemporaryDirectory() as tmp:
-                if rank == 0:
-                    save_checkpoint(Path(tmp), drafter, optimizer, scheduler, generator, state)
-                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+        if (step + 1) % tcfg.validate_every == 0 or step == tcfg.max_steps - 1 or next_batch is None:
+            validate_and_checkpoint(r, step, metrics, validation, log)

@@ -32,8 +32,16 @@ def check_job_entrypoint(entrypoint: str) -> None:
     load_config(REPO / config, overrides)
 
 
+def check_serve_config(config: dict) -> None:
+    """Ray Serve's own schema accepts the file (what `serve deploy` and KubeRay validate it against)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(config)
+
+
 def test_serve_yaml():
     config = yaml.safe_load((REPO / "deploy/serve.yaml").read_text())
+    check_serve_config(config)
     assert config["http_options"]["host"] == "127.0.0.1"
     for app in config["applications"]:
         check_serve_application(app)
@@ -51,6 +59,7 @@ def test_kuberay_rayservice_serves_the_builder():
     service = yaml.safe_load((REPO / "deploy/kuberay/rayservice-serve.yaml").read_text())
     assert service["kind"] == "RayService"
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    check_serve_config(serve_config)  # it refused the runtime_env working_dir /app this file had
     for app in serve_config["applications"]:
         check_serve_application(app)
     assert service["spec"]["rayClusterConfig"]["rayVersion"] == "2.60.0"

@@ -107,16 +107,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     bench = BENCHES[args.kind]
     module = importlib.import_module(f"peagle_ray.bench.{bench.module}")
     given = {dest: getattr(args, dest) for dest in bench.options if getattr(args, dest) is not None}
+    cfg = _config(args) if {"cfg", "drafters"} & set(bench.needs) else None  # the YAML read once
     context = {
-        "cfg": lambda: _config(args),
-        "drafters": lambda: _drafters(_config(args), args, "benchmark"),
+        "cfg": lambda: cfg,
+        "drafters": lambda: _drafters(cfg, args, "benchmark"),
         "progress": lambda: lambda line: print(line, file=sys.stderr),
     }
     needs = {name: context[name]() for name in bench.needs}
     result = getattr(module, bench.function)(**needs, **given)
     _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
     if bench.tracked:
-        module.log_to_mlflow(needs["cfg"], result)
+        module.log_to_mlflow(cfg, result)
     return 0
 
 

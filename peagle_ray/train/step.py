@@ -173,6 +173,31 @@ def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: t
     )
 
 
+def sampled_sequence_backward(
+    drafter: Drafter,
+    teacher: Teacher,
+    seq: TrainSequence,
+    drafter_cfg: DrafterConfig,
+    cfg: TrainingConfig,
+    generator: torch.Generator,
+    scale: float,
+    backward: bool = True,
+) -> StepStats:
+    """A fresh COD sampling of `seq`, then sequence_backward with the training config's segment length, depth
+    weights and precision (the training step, and validation with backward=False)."""
+    return sequence_backward(
+        drafter,
+        teacher,
+        seq,
+        sample_elements(seq, drafter_cfg, generator),
+        cfg.segment_length,
+        cfg.depth_weights,
+        scale=scale,
+        backward=backward,
+        bf16=cfg.precision == "bfloat16",
+    )
+
+
 def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Generator) -> TrainSequence:
     """`seq` with uniform noise in +-scale x std(hidden) added to its aux hidden states (the drafter's input
     features; the teacher's hidden states, which define the labels, stay exact)."""
@@ -213,19 +238,7 @@ def train_step(
     for seq in sequences:
         if cfg.feature_noise:
             seq = with_feature_noise(seq, cfg.feature_noise, generator)
-        elements = sample_elements(seq, drafter_cfg, generator)
-        stats.add(
-            sequence_backward(
-                drafter,
-                teacher,
-                seq,
-                elements,
-                cfg.segment_length,
-                cfg.depth_weights,
-                scale=1.0 / len(sequences),
-                bf16=cfg.precision == "bfloat16",
-            )
-        )
+        stats.add(sampled_sequence_backward(drafter, teacher, seq, drafter_cfg, cfg, generator, 1.0 / len(sequences)))
     params = [p for p in drafter.parameters() if p.requires_grad]
     if reduce_grads is not None:
         for p in params:

@@ -30,7 +30,7 @@ from peagle_ray.drafter.replay import Acceptance, replay_greedy
 from peagle_ray.tracking import MetricLog
 from peagle_ray.train.checkpoint import load_checkpoint, save_checkpoint
 from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.step import StepStats, make_optimizer, sample_elements, sequence_backward, train_step
+from peagle_ray.train.step import StepStats, make_optimizer, sampled_sequence_backward, train_step
 
 
 def to_sequence(record: dict) -> TrainSequence:
@@ -119,20 +119,8 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
     acceptance = Acceptance(k_draft)
     for record in records:
         seq = to_sequence(record)
-        elements = sample_elements(seq, cfg.drafter, generator)
-        stats.add(
-            sequence_backward(
-                drafter,
-                teacher,
-                seq,
-                elements,
-                cfg.training.segment_length,
-                cfg.training.depth_weights,
-                scale=1 / len(records),
-                backward=False,
-                bf16=cfg.training.precision == "bfloat16",
-            )
-        )
+        scale = 1 / len(records)
+        stats.add(sampled_sequence_backward(drafter, teacher, seq, cfg.drafter, cfg.training, generator, scale, False))
         ids, loss_mask = torch.as_tensor(record["input_ids"]).long(), torch.as_tensor(record["loss_mask"]).bool()
         start = int(loss_mask.nonzero()[0]) if loss_mask.any() else len(ids)  # replay the assistant's answer
         replay_greedy(replayer, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)

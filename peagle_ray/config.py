@@ -143,6 +143,14 @@ class CaptureConfig(_Section):
     shard_size: int = Field(default=64, gt=0)
     """Records per offline shard file (capture.mode offline)."""
 
+    num_replicas: int = Field(default=1, gt=0)
+    """Replicas of the Serve-hosted target the capture actors share (Serve routes each request to one).
+    Scale capture out with more replicas on more nodes (or GPUs) and capture.num_actors >= num_replicas."""
+
+    max_replicas_per_node: int | None = Field(default=None, gt=0)
+    """Most target replicas on one Ray node (Serve's max_replicas_per_node); 1 spreads them one per node.
+    None lets Serve place them anywhere."""
+
     @field_validator("aux_layer_ids")
     @classmethod
     def _non_negative_layers(cls, v: list[int] | None) -> list[int] | None:
@@ -202,8 +210,19 @@ class DrafterConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    num_workers: int = Field(default=2, ge=1)
-    """Ray Train workers (data-parallel)."""
+    num_workers: int | list[int] = 2
+    """Ray Train workers (data-parallel): N, or [min, max] for elastic training. Elastic runs start with as
+    many workers as the cluster has room for (at least min), shrink when a node is lost, and grow again (from
+    the last checkpoint) when capacity returns; gradients are averaged over the current world size and the
+    data shards are re-split over it."""
+
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement strategy of the workers' bundles: PACK fills a node first, SPREAD puts them on as many
+    nodes as it can (STRICT_* refuse to start otherwise)."""
+
+    resize_check_s: float = Field(default=60.0, gt=0.0)
+    """Elastic runs (num_workers = [min, max]) below max look for room for more workers this often (seconds);
+    Ray Train's elastic_resize_monitor_interval_s."""
 
     use_gpu: bool = False
     """Train on GPUs (one per worker, nccl) instead of CPUs (gloo)."""
@@ -279,6 +298,22 @@ class TrainingConfig(_Section):
     crash_once_at_step: int | None = Field(default=None, ge=0)
     """Fault injection for recovery tests: worker rank 1 (or 0 with one worker) raises once when it reaches
     this step. Leave unset."""
+
+    @field_validator("num_workers")
+    @classmethod
+    def _worker_count_or_range(cls, v: int | list[int]) -> int | list[int]:
+        if isinstance(v, int):
+            if v < 1:
+                raise ValueError(f"must be at least 1; got {v}")
+        elif len(v) != 2 or not 1 <= v[0] <= v[1]:
+            raise ValueError(f"must be N or [min, max] with 1 <= min <= max; got {v}")
+        return v
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(min, max) workers; equal for a fixed-size run."""
+        n = self.num_workers
+        return (n, n) if isinstance(n, int) else (n[0], n[1])
 
     @field_validator("depth_weights")
     @classmethod

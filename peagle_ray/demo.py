@@ -34,7 +34,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     import ray
     from ray import serve
 
-    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.cluster import ensure_ray
     from peagle_ray.eval.sweep import evaluate
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import endpoint_banner, start_endpoint, stop_endpoint

@@ -28,11 +28,21 @@ from tests.conftest import REPO
         ("serving.max_tokens_limit=0", r"serving\.max_tokens_limit: Input should be greater than 0; got 0"),
         ("eval.k_values=[0,2]", r"eval\.k_values: must be a non-empty list of K >= 1; got \[0, 2\]"),
         ("training.lr=1", r"training\.lr: Extra inputs are not permitted; got 1"),
+        ("training.num_workers=0", r"training\.num_workers: must be at least 1; got 0"),
+        ("training.num_workers=[2,1]", r"training\.num_workers: must be N or \[min, max\] with 1 <= min <= max"),
+        ("training.num_workers=[0,2]", r"training\.num_workers: must be N or \[min, max\]"),
+        ("training.placement_strategy=RANDOM", r"training\.placement_strategy: Input should be 'PACK', 'SPREAD'"),
+        ("capture.num_replicas=0", r"capture\.num_replicas: Input should be greater than 0; got 0"),
     ],
 )
 def test_bad_value_names_field_rule_and_value(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_num_workers_is_a_count_or_an_elastic_range():
+    assert load_config(None, ["training.num_workers=3"]).training.worker_range == (3, 3)
+    assert load_config(None, ["training.num_workers=[1,4]"]).training.worker_range == (1, 4)
 
 
 def test_cod_floor_above_ratio_is_rejected():

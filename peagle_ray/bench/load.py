@@ -89,7 +89,7 @@ def run(
     target = resolve_target_path(cfg)
     started_here = url is None
     if started_here:
-        from peagle_ray.capture.run import ensure_ray
+        from peagle_ray.cluster import ensure_ray
         from peagle_ray.export.speculators import read_drafter
         from peagle_ray.serve.app import default_drafter_dir, start_endpoint
 

@@ -77,7 +77,7 @@ def run(
 ) -> dict:
     import ray
 
-    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.cluster import ensure_ray
     from peagle_ray.target import resolve_target_path
 
     ensure_ray()

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from peagle_ray import stopping
 from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_records, write_offline
 from peagle_ray.capture.target_server import start_target_server, stop_target_server
+from peagle_ray.cluster import ensure_ray
 from peagle_ray.config import PeagleConfig
 from peagle_ray.data.prepare import (
     BadRows,
@@ -34,21 +34,6 @@ class TargetSession:
     handle: object  # Serve handle of TargetServer
     info: TargetInfo
     num_layers_captured: int  # aux layers + the last layer
-
-
-def ensure_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`) or start a local one."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="auto" if _ray_address() else None, log_to_driver=False)
-        stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)
-
-
-def _ray_address() -> str | None:
-    import os
-
-    return os.environ.get("RAY_ADDRESS")
 
 
 @contextmanager

@@ -144,7 +144,11 @@ def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
     # On CPU the engine uses the cores regardless; reserving them would starve the Ray Data actors on a
     # small machine, so the replica claims none. On GPU it claims capture.num_gpus.
     options = {"num_cpus": 0, "num_gpus": cfg.capture.num_gpus, "runtime_env": {"env_vars": env}}
-    app = TargetServer.options(ray_actor_options=options).bind(spec)
+    app = TargetServer.options(
+        num_replicas=cfg.capture.num_replicas,
+        max_replicas_per_node=cfg.capture.max_replicas_per_node,
+        ray_actor_options=options,
+    ).bind(spec)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 

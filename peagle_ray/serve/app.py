@@ -226,7 +226,7 @@ def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = N
     once deployed (the endpoint keeps running on the cluster)."""
     import time
 
-    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.cluster import ensure_ray
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)

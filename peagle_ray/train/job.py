@@ -65,6 +65,20 @@ def check_inputs(cfg: PeagleConfig) -> dict:
     return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
 
 
+def check_storage_shared(storage: Path) -> None:
+    """Refuse, before any worker starts, a training.storage_path that some node of the cluster cannot see:
+    a worker restarted there could neither write its checkpoints nor resume from them."""
+    from peagle_ray.cluster import unshared_nodes
+
+    missing = unshared_nodes(storage)
+    if missing:
+        raise ConfigError(
+            f"training.storage_path = {storage} is a local path that node(s) {', '.join(missing)} of this "
+            "multi-node cluster cannot see; use a directory shared by every node at the same path (NFS) "
+            "or a cloud URI (s3://bucket/path, gs://bucket/path)"
+        )
+
+
 def _score(metrics: dict) -> float:
     """A checkpoint's validation AL; a missing or NaN one never wins."""
     value = metrics.get("val/acceptance_length", float("nan"))
@@ -95,13 +109,17 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    tcfg = cfg.training
+    low, high = tcfg.worker_range
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=plan,
         scaling_config=ScalingConfig(
-            num_workers=cfg.training.num_workers,
-            use_gpu=cfg.training.use_gpu,
-            resources_per_worker={"CPU": cfg.training.cpus_per_worker},
+            num_workers=high if low == high else (low, high),
+            use_gpu=tcfg.use_gpu,
+            resources_per_worker={"CPU": tcfg.cpus_per_worker},
+            placement_strategy=tcfg.placement_strategy,
+            elastic_resize_monitor_interval_s=tcfg.resize_check_s,
         ),
         run_config=RunConfig(
             name=cfg.training.run_name,
@@ -127,7 +145,7 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
 
 def run_training(cfg: PeagleConfig) -> dict:
     """Train, export the best checkpoint, log everything to MLflow; returns a summary."""
-    from peagle_ray.capture.run import ensure_ray
+    from peagle_ray.cluster import ensure_ray
     from peagle_ray.data.prepare import SPLITS, prepared_file, read_summary
     from peagle_ray.export.speculators import export_dir as run_export_dir
     from peagle_ray.tracking import find_or_create_run, log_training_data, metric_progress, run_status, tracking_uri
@@ -135,6 +153,7 @@ def run_training(cfg: PeagleConfig) -> dict:
     inputs = check_inputs(cfg)
     storage = Path(cfg.training.storage_path).resolve()
     ensure_ray()
+    check_storage_shared(storage)
     with tracking_uri(cfg, storage / "mlflow") as uri:
         run_id, created = find_or_create_run(uri, cfg, storage / "mlflow")
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")

@@ -221,6 +221,7 @@ def step_metrics(r: Rank, stats: StepStats, speed: dict[str, float]) -> dict[str
         "train/lr": r.scheduler.get_last_lr()[0],
         "train/elements": stats.elements,
         "train/segments": stats.segments,
+        "train/workers": r.world,
         **speed,
     }
     accuracy = stats.accuracy()[: r.cfg.drafter.trained_depths]

@@ -1,0 +1,68 @@
+"""The Ray cluster a job runs on: joining it, and whether a storage path is shared by all of its nodes.
+
+Under `ray job submit` (RAY_ADDRESS set) every entry point joins the submitted-to cluster; otherwise it
+starts a local one. Ray Train writes checkpoints from the workers' nodes and reads them back on whichever
+node a worker restarts, so a local `training.storage_path` works only where every node sees the same files
+(one host, or an NFS mount at the same path); `unshared_nodes` probes that with a file and a task per node.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from peagle_ray import stopping
+
+
+def ensure_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`) or start a local one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else None, log_to_driver=False)
+        stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)
+
+
+def is_uri(path: str) -> bool:
+    """A pyarrow.fs URI (s3://, gs://, hdfs://, file://...) rather than a local path."""
+    return "://" in path
+
+
+def alive_nodes() -> list[dict]:
+    """The cluster's alive nodes (ray.nodes() entries). Ray must be initialised."""
+    import ray
+
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
+def _sees(path: str, token: str) -> bool:
+    marker = Path(path)
+    return marker.is_file() and marker.read_text() == token
+
+
+def unshared_nodes(directory: Path) -> list[str]:
+    """Alive nodes (as "node_id (ip)") that do not see a file the driver writes into `directory`: one task
+    pinned to each node reads it back. Empty on a single node or a shared file system."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = alive_nodes()
+    if len(nodes) < 2:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    marker = directory / f".peagle-shared-{token}"
+    marker.write_text(token)
+    try:
+        sees = ray.remote(num_cpus=0)(_sees)
+        pinned = [
+            sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+                str(marker), token
+            )
+            for n in nodes
+        ]
+        seen = ray.get(pinned, timeout=120)
+    finally:
+        marker.unlink(missing_ok=True)
+    return [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n, ok in zip(nodes, seen) if not ok]

@@ -1,0 +1,191 @@
+"""A multi-node Ray cluster on loopback for the distributed tests: `ray start --head` plus worker nodes
+(`ray start --address=...`), each a raylet of its own with distinct node IDs, token auth on, driven only
+through Ray's CLI (`ray job submit`, `ray list actors`) as a user would. The pytest process never joins it
+(it may hold its own local cluster from the `ray_local` fixture), and `ray stop` is never called, since it
+would stop every Ray process on the machine: nodes are killed by the PIDs they started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from peagle_ray.serve.app import free_port
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Node:
+    name: str
+    args: list[str]
+    pids: set[int] = field(default_factory=set)
+    node_id: str = ""
+
+    def raylet(self) -> psutil.Process:
+        return next(p for p in _processes(self.pids) if Path(p.cmdline()[0]).name == "raylet")
+
+
+def _processes(pids: set[int]) -> list[psutil.Process]:
+    alive = []
+    for pid in pids:
+        try:
+            alive.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+class LoopbackCluster:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(16),
+            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # the job's `python` is this venv's
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # A dead raylet is noticed in ~3 s instead of ~16 s (the GCS's health checks).
+            "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_timeout_ms": "1000",
+            "RAY_health_check_failure_threshold": "3",
+        }
+        self.nodes: dict[str, Node] = {}
+
+    # ---- nodes ------------------------------------------------------------------------------------------
+
+    def _cluster_pids(self) -> set[int]:
+        needle = f":{self.gcs_port}"
+        pids = set()
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if any(needle in arg for arg in p.info["cmdline"] or ()):
+                pids.add(p.info["pid"])
+        return pids
+
+    def _start(self, node: Node) -> Node:
+        before = self._cluster_pids()
+        self.run("ray", "start", *node.args, timeout=120)
+        node.pids = self._cluster_pids() - before
+        raylet = node.raylet()
+        node.node_id = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--node_id="))
+        self.nodes[node.name] = node
+        return node
+
+    def _temp_dir(self, name: str) -> str:
+        """Each node its own Ray temp dir, as on separate machines: nodes sharing one would share
+        runtime_resources, and one node's cleanup of a job's working_dir would pull it from under another's.
+        Short, under /tmp: Ray's socket paths live there."""
+        return tempfile.mkdtemp(prefix=f"ray-{name}-", dir="/tmp")
+
+    def start_head(self, num_cpus: int = 1) -> Node:
+        args = [
+            "--head",
+            f"--temp-dir={self._temp_dir('head')}",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            f"--num-cpus={num_cpus}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=200000000",
+            '--resources={"head": 1}',
+            "--disable-usage-stats",
+        ]
+        return self._start(Node("head", args))
+
+    def add_node(self, name: str, num_cpus: int = 1) -> Node:
+        """A worker node with a custom resource named after it (tests can pin work to it)."""
+        args = [
+            f"--address={self.address}",
+            f"--temp-dir={self._temp_dir(name)}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=200000000",
+            f"--resources={json.dumps({name: 1})}",
+            "--disable-usage-stats",
+        ]
+        return self._start(Node(name, args))
+
+    def kill_node(self, name: str) -> float:
+        """SIGKILL the node's raylet (its workers and agents go with it), then its leftovers; returns the
+        time it was killed."""
+        node = self.nodes[name]
+        node.raylet().send_signal(signal.SIGKILL)
+        killed = time.time()
+        for p in _processes(node.pids):
+            p.kill()
+        return killed
+
+    def restart_node(self, name: str) -> Node:
+        node = self.nodes.pop(name)
+        return self._start(Node(name, node.args))
+
+    def wait_alive(self, count: int, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if len(self.alive_nodes()) == count:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"the cluster did not reach {count} alive nodes: {self.alive_nodes()}")
+
+    def stop(self) -> None:
+        procs = _processes(self._cluster_pids())
+        for p in procs:
+            p.kill()
+        psutil.wait_procs(procs, timeout=30)
+        for node in self.nodes.values():
+            temp = next(a.split("=", 1)[1] for a in node.args if a.startswith("--temp-dir="))
+            shutil.rmtree(temp, ignore_errors=True)
+
+    # ---- Ray's CLI --------------------------------------------------------------------------------------
+
+    def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+        exe = str(BIN / args[0])
+        result = subprocess.run(
+            [exe, *args[1:]], env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.tmp
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def submit(self, working_dir: Path, *entrypoint: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        """`ray job submit` and wait for the job (its logs are the output)."""
+        return self.run(
+            "ray", "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}", "--",
+            *entrypoint, timeout=timeout,
+        )  # fmt: skip
+
+    def submit_background(self, working_dir: Path, *entrypoint: str) -> subprocess.Popen:
+        log = open(self.tmp / f"job-{time.time_ns()}.log", "w")
+        return subprocess.Popen(
+            [str(BIN / "ray"), "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}", "--",
+             *entrypoint],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
+        )  # fmt: skip
+
+    def alive_nodes(self) -> list[dict]:
+        out = self.run("ray", "list", "nodes", f"--address={self.dashboard}", "--format=json", check=False)
+        if out.returncode != 0:
+            return []
+        return [n for n in json.loads(out.stdout) if n["state"] == "ALIVE"]
+
+    def actors(self) -> list[dict]:
+        """Every actor the cluster has run (alive or dead) with its class name and node id."""
+        out = self.run("ray", "list", "actors", f"--address={self.dashboard}", "--format=json", "--limit=10000")
+        return json.loads(out.stdout)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from pathlib import Path
@@ -109,6 +110,28 @@ def test_capture_job_spreads_target_replicas_over_both_nodes(cluster, captured):
     assert (tmp / "hidden" / "manifest.json").is_file()
 
 
+def metric(tmp: Path, run_name: str, name: str) -> list[tuple[int, float]]:
+    """(step, value) of a run's metric, read from the tracking store while the job runs ([] before)."""
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("peagle-ray")
+    runs = (
+        client.search_runs([experiment.experiment_id], f"tags.`peagle.run_name` = '{run_name}'") if experiment else []
+    )
+    return [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, name)] if runs else []
+
+
+def wait_for(condition, what: str, job, timeout: float = 300, every: float = 1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended ({job.returncode}) while waiting for {what}")
+        time.sleep(every)
+    raise TimeoutError(f"waited {timeout} s for {what}")
+
+
 def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured, tiny_target, ray_local):
     from peagle_ray.train.job import run_training
 
@@ -132,3 +155,73 @@ def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured
     }
     assert [s for s, _ in losses["two-nodes"]] == [s for s, _ in losses["one-node"]] == list(range(6))
     assert [v for _, v in losses["two-nodes"]] == pytest.approx([v for _, v in losses["one-node"]], rel=1e-5)
+
+
+def lose_node_mid_training(cluster, tmp, run_name, job, after_step):
+    """Kill node2's raylet once MLflow has steps past `after_step` (a checkpoint is behind them); returns the
+    step reached and the kill time."""
+    reached = wait_for(lambda: max((s for s, _ in metric(tmp, run_name, "train/loss")), default=-1) >= after_step and
+                       max(s for s, _ in metric(tmp, run_name, "train/loss")), f"step {after_step}", job)  # fmt: skip
+    killed = cluster.kill_node("node2")
+    cluster.wait_alive(1)
+    return reached, killed
+
+
+def test_losing_a_node_mid_training_resumes_from_the_checkpoint(cluster, captured, tiny_target):
+    tmp, _ = captured
+    steps = 60
+    raw = config(tmp, tiny_target, "node-loss", max_steps=steps, validate_every=10, max_failures=3)
+    job = cluster.submit_background(REPO, *TRAIN_CMD, str(write_config(tmp, "node-loss", raw)))
+    try:
+        started = time.time()
+        reached, killed = lose_node_mid_training(cluster, tmp, "node-loss", job, 10)
+        time.sleep(5)  # the survivor waits: a fixed-size group needs both workers
+        stalled = max(s for s, _ in metric(tmp, "node-loss", "train/loss"))
+        cluster.restart_node("node2")
+        resumed = wait_for(lambda: max(s for s, _ in metric(tmp, "node-loss", "train/loss")) > stalled and time.time(),
+                           "training to resume", job)  # fmt: skip
+        assert job.wait(timeout=600) == 0
+    finally:
+        job.kill()
+    wall = time.time() - started
+    history = metric(tmp, "node-loss", "train/loss")
+    print(f"node-loss: killed at logged step {reached}, resumed {resumed - killed:.0f} s after the kill, "
+          f"{len(history)} steps in MLflow, job wall time {wall:.0f} s")  # fmt: skip
+    assert [s for s, _ in history] == list(range(steps))  # every step exactly once
+    assert {v for _, v in metric(tmp, "node-loss", "train/workers")} == {2}
+    workers = ran_on(cluster.actors(), "RayTrainWorker")
+    assert len(workers) >= 4  # the group was started twice
+
+
+def test_elastic_training_shrinks_to_one_worker_and_grows_back(cluster, captured, tiny_target):
+    tmp, _ = captured
+    steps = 300  # long enough to outlast the shrink, the node's return and the regrowth below
+    raw = config(tmp, tiny_target, "elastic", max_steps=steps, validate_every=10, max_failures=3,
+                 num_workers=[1, 2], resize_check_s=2, epochs=1000)  # fmt: skip
+    # Ray Train first retries with the workers its cluster view (refreshed every 20 s) still counts, and waits
+    # this long for them before it settles for fewer (default 60 s; README: elastic training).
+    fast = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}
+    job = cluster.submit_background(REPO, *TRAIN_CMD, str(write_config(tmp, "elastic", raw)), env_vars=fast)
+    try:
+        started = time.time()
+        reached, killed = lose_node_mid_training(cluster, tmp, "elastic", job, 10)
+        one = wait_for(lambda: 1 in {v for _, v in metric(tmp, "elastic", "train/workers")} and time.time(),
+                       "steps on one worker", job)  # fmt: skip
+        cluster.restart_node("node2")
+        cluster.wait_alive(2)
+        back = time.time()
+        two = wait_for(lambda: [v for _, v in metric(tmp, "elastic", "train/workers")][-1:] == [2] and
+                       any(v == 1 for _, v in metric(tmp, "elastic", "train/workers")) and time.time(),
+                       "the second worker back", job)  # fmt: skip
+        assert job.wait(timeout=600) == 0
+    finally:
+        job.kill()
+    wall = time.time() - started
+    history = metric(tmp, "elastic", "train/loss")
+    workers = [int(v) for _, v in metric(tmp, "elastic", "train/workers")]
+    runs = [(w, sum(1 for _ in g)) for w, g in itertools.groupby(workers)]
+    print(f"elastic: killed at logged step {reached}; training went on with one worker {one - killed:.0f} s "
+          f"after the kill; two workers again {two - back:.0f} s after the node returned; world sizes by "
+          f"step {runs}; job wall time {wall:.0f} s")  # fmt: skip
+    assert [s for s, _ in history] == list(range(steps))
+    assert [w for w, _ in runs] == [2, 1, 2]

@@ -171,11 +171,14 @@ class LoopbackCluster:
             *entrypoint, timeout=timeout,
         )  # fmt: skip
 
-    def submit_background(self, working_dir: Path, *entrypoint: str) -> subprocess.Popen:
+    def submit_background(self, working_dir: Path, *entrypoint: str, env_vars: dict | None = None) -> subprocess.Popen:
+        """`ray job submit` in the background (its output goes to job-*.log in the cluster's directory);
+        env_vars go into the job's runtime_env, so every actor of the job sees them."""
         log = open(self.tmp / f"job-{time.time_ns()}.log", "w")
+        runtime_env = [f"--runtime-env-json={json.dumps({'env_vars': env_vars})}"] if env_vars else []
         return subprocess.Popen(
-            [str(BIN / "ray"), "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}", "--",
-             *entrypoint],
+            [str(BIN / "ray"), "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}",
+             *runtime_env, "--", *entrypoint],
             env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
         )  # fmt: skip
 

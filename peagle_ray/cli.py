@@ -361,10 +361,14 @@ BENCHES = {
     "capture": Bench(
         "capture",
         "run",
-        "Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill on the same sequences, and offline "
-        "bytes per token.",
-        ("num_sequences", "seq_len"),
-        (arg("--sequences", dest="num_sequences", type=int), arg("--seq-len", type=int)),
+        "Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill on the same sequences, for each "
+        "number of target replicas (placed by capture.max_replicas_per_node), and offline bytes per token.",
+        ("num_sequences", "seq_len", "replicas"),
+        (
+            arg("--sequences", dest="num_sequences", type=int),
+            arg("--seq-len", type=int),
+            arg("--replicas", type=int, nargs="+", help="Target replica counts measured, e.g. 1 2."),
+        ),
         ("cfg",),
     ),
     "train": Bench(

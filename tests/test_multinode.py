@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -72,8 +73,8 @@ def write_config(tmp: Path, name: str, raw: dict) -> Path:
     return path
 
 
-def ran_on(actors: list[dict], class_name: str, job_id: str | None = None) -> list[str]:
-    return [a["node_id"] for a in actors if class_name in a["class_name"] and job_id in (None, a.get("job_id"))]
+def ran_on(actors: list[dict], class_name: str) -> list[str]:
+    return [a["node_id"] for a in actors if class_name in a["class_name"]]
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +97,35 @@ def captured(cluster, tiny_target, tmp_path_factory):
     cfg = write_config(tmp, "capture", config(tmp, tiny_target, "unused"))
     out = cluster.submit(REPO, "python", "jobs/capture.py", "--config", str(cfg))
     assert "succeeded" in out.stdout, out.stdout[-3000:]
-    return tmp, out
+    return tmp, cluster.actors()
 
 
 def test_capture_job_spreads_target_replicas_over_both_nodes(cluster, captured):
-    tmp, out = captured
-    actors = cluster.actors()
+    tmp, actors = captured
     replicas = ran_on(actors, "TargetServer")
     stages = ran_on(actors, "CaptureStage")
     print("target replicas ran on", replicas, "capture actors on", stages)
     assert len(replicas) == 2 and set(replicas) == {n.node_id for n in cluster.nodes.values()}
     assert len(stages) == 2
     assert (tmp / "hidden" / "manifest.json").is_file()
+
+
+def test_a_storage_path_some_node_cannot_see_is_refused_naming_the_field(cluster, captured, tiny_target):
+    tmp, _ = captured
+    hidden = tmp / "not-shared"
+    hidden.mkdir()
+    node = cluster.add_node("node3", hidden=hidden)
+    try:
+        cluster.wait_alive(3)
+        raw = config(tmp, tiny_target, "unshared", storage_path=str(hidden))
+        out = cluster.run("ray", "job", "submit", f"--address={cluster.dashboard}", f"--working-dir={REPO}", "--",
+                          *TRAIN_CMD, str(write_config(tmp, "unshared", raw)), check=False)  # fmt: skip
+    finally:
+        cluster.remove_node("node3")
+        cluster.wait_alive(2)
+    assert out.returncode != 0
+    assert f"training.storage_path = {hidden} is a local path that node(s) {node.node_id[:12]} (" in out.stdout
+    assert not (hidden / "unshared").exists()  # refused before any worker started
 
 
 def metric(tmp: Path, run_name: str, name: str) -> list[tuple[int, float]]:
@@ -132,14 +150,30 @@ def wait_for(condition, what: str, job, timeout: float = 300, every: float = 1.0
     raise TimeoutError(f"waited {timeout} s for {what}")
 
 
+def test_bench_capture_measures_one_and_two_replicas_over_the_nodes(cluster, captured):
+    tmp, _ = captured
+    out_json = tmp / "bench_capture.json"
+    cmd = ("peagle-ray", "bench", "capture", "--config", str(tmp / "capture.yaml"), "--replicas", "1", "2",
+           "--sequences", "16", "--seq-len", "64", "--json", str(out_json))  # fmt: skip
+    before = {a["actor_id"] for a in cluster.actors()}
+    cluster.submit(REPO, *cmd)
+    result = json.loads(out_json.read_text())
+    print("bench capture by replicas:", result["by_replicas"], "prefill tok/s", result["prefill_tokens_per_s"])
+    assert [r["replicas"] for r in result["by_replicas"]] == [1, 2]
+    assert all(r["tokens_per_s"] > 0 for r in result["by_replicas"]) and not result["bad_rows"]
+    replicas = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")
+    assert len(replicas) == 3 and set(replicas) == {n.node_id for n in cluster.nodes.values()}
+
+
 def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured, tiny_target, ray_local):
     from peagle_ray.train.job import run_training
 
     tmp, _ = captured
     raw = config(tmp, tiny_target, "two-nodes")
+    before = {a["actor_id"] for a in cluster.actors()}
     out = cluster.submit(REPO, *TRAIN_CMD, str(write_config(tmp, "two-nodes", raw)))
     assert "succeeded" in out.stdout, out.stdout[-3000:]
-    workers = ran_on(cluster.actors(), "RayTrainWorker")
+    workers = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "RayTrainWorker")
     print("training workers ran on", Counter(workers))
     assert set(workers) == {n.node_id for n in cluster.nodes.values()}
 
@@ -171,6 +205,7 @@ def test_losing_a_node_mid_training_resumes_from_the_checkpoint(cluster, capture
     tmp, _ = captured
     steps = 60
     raw = config(tmp, tiny_target, "node-loss", max_steps=steps, validate_every=10, max_failures=3)
+    before = {a["actor_id"] for a in cluster.actors()}
     job = cluster.submit_background(REPO, *TRAIN_CMD, str(write_config(tmp, "node-loss", raw)))
     try:
         started = time.time()
@@ -189,8 +224,8 @@ def test_losing_a_node_mid_training_resumes_from_the_checkpoint(cluster, capture
           f"{len(history)} steps in MLflow, job wall time {wall:.0f} s")  # fmt: skip
     assert [s for s, _ in history] == list(range(steps))  # every step exactly once
     assert {v for _, v in metric(tmp, "node-loss", "train/workers")} == {2}
-    workers = ran_on(cluster.actors(), "RayTrainWorker")
-    assert len(workers) >= 4  # the group was started twice
+    workers = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "RayTrainWorker")
+    assert len(workers) == 4  # the group was started twice, two workers each time
 
 
 def test_elastic_training_shrinks_to_one_worker_and_grows_back(cluster, captured, tiny_target):

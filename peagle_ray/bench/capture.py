@@ -49,10 +49,30 @@ def _prefill_child(args_file: str, sequences_file: str) -> None:
     print("RESULT " + json.dumps({"seconds": time.perf_counter() - start}))
 
 
-def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256) -> dict:
-    from peagle_ray.capture.pipeline import capture_dataset, iter_records, write_offline
+def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) -> tuple[list[dict], float, object]:
+    """Records, seconds and bad rows of one capture through `replicas` target replicas (after a warm-up)."""
+    from peagle_ray.capture.pipeline import capture_dataset, iter_records
     from peagle_ray.capture.run import target_session
-    from peagle_ray.data.prepare import BadRows, TokenizedSample
+    from peagle_ray.config import with_values
+    from peagle_ray.data.prepare import BadRows
+
+    cfg = with_values(cfg, {"capture.num_replicas": replicas, "capture.num_actors": actors})
+    with target_session(cfg) as session:
+        layers, hidden = session.num_layers_captured, session.info.hidden_size
+        warm = capture_dataset(samples[: 4 * replicas], layers, hidden, 4, actors)  # every replica warms up
+        list(iter_records(warm.iter_rows(), BadRows(), desc=f"warm-up ({replicas} replicas)"))
+        bad = BadRows()
+        start = time.perf_counter()
+        ds = capture_dataset(samples, layers, hidden, cfg.capture.batch_size, actors)
+        records = list(iter_records(ds.iter_rows(), bad, total=len(samples), desc=f"capture ({replicas} replicas)"))
+        return records, time.perf_counter() - start, bad
+
+
+def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256, replicas: tuple[int, ...] = (1,)) -> dict:
+    """Plain prefill once, then the capture pipeline for each replica count (capture.num_actors raised to at
+    least the replica count; capture.max_replicas_per_node places them)."""
+    from peagle_ray.capture.pipeline import write_offline
+    from peagle_ray.data.prepare import TokenizedSample
     from peagle_ray.target import resolve_target_path
 
     target_dir = resolve_target_path(cfg)
@@ -71,34 +91,31 @@ def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256) -> dict:
         prefill_s = json.loads(result.removeprefix("RESULT "))["seconds"]
 
         samples = [TokenizedSample(f"bench-{i}", "bench", "train", s, [1] * len(s)) for i, s in enumerate(sequences)]
-        with target_session(cfg) as session:
-            warm = capture_dataset(samples[:4], session.num_layers_captured, session.info.hidden_size, 4, 1)
-            list(iter_records(warm.iter_rows(), BadRows(), desc="warm-up"))
-            bad = BadRows()
-            start = time.perf_counter()
-            ds = capture_dataset(
-                samples,
-                session.num_layers_captured,
-                session.info.hidden_size,
-                cfg.capture.batch_size,
-                cfg.capture.num_actors,
+        rows, bad_rows = [], {}
+        for n in replicas:
+            records, seconds, bad = _capture_rate(cfg, samples, n, max(n, cfg.capture.num_actors))
+            rows.append(
+                {"replicas": n, "actors": max(n, cfg.capture.num_actors), "tokens_per_s": round(tokens / seconds, 1)}
             )
-            records = list(iter_records(ds.iter_rows(), bad, total=len(samples)))
-            capture_s = time.perf_counter() - start
+            bad_rows.update(bad.counts)
         shard_dir = Path(tmp) / "shards"
         write_offline(records, shard_dir, cfg.capture.shard_size)
         shard_bytes = sum(p.stat().st_size for p in shard_dir.glob("*.safetensors"))
+    first = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["over_first"] = round(row["tokens_per_s"] / first, 3)
     return {
         "target": str(target_dir),
         "sequences": num_sequences,
         "seq_len": seq_len,
-        "capture_tokens_per_s": round(tokens / capture_s, 1),
+        "capture_tokens_per_s": first,
         "prefill_tokens_per_s": round(tokens / prefill_s, 1),
-        "capture_over_prefill": round(prefill_s / capture_s, 3),
+        "capture_over_prefill": round(first / (tokens / prefill_s), 3),
+        "by_replicas": rows,
         "bytes_per_token_offline": round(shard_bytes / tokens, 1),
-        "bad_rows": dict(bad.counts),
+        "bad_rows": bad_rows,
         "capture_batch_size": cfg.capture.batch_size,
-        "capture_actors": cfg.capture.num_actors,
+        "max_replicas_per_node": cfg.capture.max_replicas_per_node,
     }
 
 

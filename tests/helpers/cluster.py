@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -30,8 +31,13 @@ BIN = Path(sys.executable).parent
 class Node:
     name: str
     args: list[str]
+    hidden: Path | None = None
     pids: set[int] = field(default_factory=set)
     node_id: str = ""
+
+    @property
+    def temp_dir(self) -> str:
+        return next(a.split("=", 1)[1] for a in self.args if a.startswith("--temp-dir="))
 
     def raylet(self) -> psutil.Process:
         return next(p for p in _processes(self.pids) if Path(p.cmdline()[0]).name == "raylet")
@@ -78,7 +84,13 @@ class LoopbackCluster:
 
     def _start(self, node: Node) -> Node:
         before = self._cluster_pids()
-        self.run("ray", "start", *node.args, timeout=120)
+        command = [str(BIN / "ray"), "start", *node.args]
+        if node.hidden:  # a private mount namespace in which an empty tmpfs covers the directory
+            mount = f"mount -t tmpfs tmpfs {shlex.quote(str(node.hidden))} && exec {shlex.join(command)}"
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
+        if result.returncode != 0:
+            raise AssertionError(f"ray start exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
         node.pids = self._cluster_pids() - before
         raylet = node.raylet()
         node.node_id = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--node_id="))
@@ -108,8 +120,9 @@ class LoopbackCluster:
         ]
         return self._start(Node("head", args))
 
-    def add_node(self, name: str, num_cpus: int = 1) -> Node:
-        """A worker node with a custom resource named after it (tests can pin work to it)."""
+    def add_node(self, name: str, num_cpus: int = 1, hidden: Path | None = None) -> Node:
+        """A worker node with a custom resource named after it (tests can pin work to it). With `hidden`, the
+        node does not see that directory's files, as a machine without the driver's disk would not."""
         args = [
             f"--address={self.address}",
             f"--temp-dir={self._temp_dir(name)}",
@@ -120,7 +133,7 @@ class LoopbackCluster:
             f"--resources={json.dumps({name: 1})}",
             "--disable-usage-stats",
         ]
-        return self._start(Node(name, args))
+        return self._start(Node(name, args, hidden=hidden))
 
     def kill_node(self, name: str) -> float:
         """SIGKILL the node's raylet (its workers and agents go with it), then its leftovers; returns the
@@ -132,9 +145,13 @@ class LoopbackCluster:
             p.kill()
         return killed
 
+    def remove_node(self, name: str) -> None:
+        self.kill_node(name)
+        shutil.rmtree(self.nodes.pop(name).temp_dir, ignore_errors=True)
+
     def restart_node(self, name: str) -> Node:
         node = self.nodes.pop(name)
-        return self._start(Node(name, node.args))
+        return self._start(Node(name, node.args, hidden=node.hidden))
 
     def wait_alive(self, count: int, timeout: float = 60) -> None:
         deadline = time.time() + timeout
@@ -150,8 +167,7 @@ class LoopbackCluster:
             p.kill()
         psutil.wait_procs(procs, timeout=30)
         for node in self.nodes.values():
-            temp = next(a.split("=", 1)[1] for a in node.args if a.startswith("--temp-dir="))
-            shutil.rmtree(temp, ignore_errors=True)
+            shutil.rmtree(node.temp_dir, ignore_errors=True)
 
     # ---- Ray's CLI --------------------------------------------------------------------------------------
 

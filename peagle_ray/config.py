@@ -287,7 +287,15 @@ class TrainingConfig(_Section):
     """Ray Train run name; re-running the same name resumes from its last checkpoint."""
 
     storage_path: str = "runs/train"
-    """Where Ray Train keeps checkpoints (a local path or a cloud URI)."""
+    """Local directory of the run's outputs (exports, summaries, the local MLflow store) and, unless
+    training.checkpoint_uri is set, of Ray Train's checkpoints. Every node must see it at the same path (one
+    host, or a shared file system such as NFS): training refuses to start on a cluster with a node that
+    cannot, naming this field."""
+
+    checkpoint_uri: str | None = None
+    """Ray Train's checkpoints in object storage instead of storage_path: a pyarrow.fs URI such as
+    s3://bucket/prefix or gs://bucket/prefix (file:///abs/path for a local file system). Nodes then need
+    no shared disk for checkpoints; the driver still writes the outputs under storage_path."""
 
     max_failures: int = Field(default=1, ge=0)
     """Worker crashes recovered from the last checkpoint before the run fails."""
@@ -298,6 +306,15 @@ class TrainingConfig(_Section):
     crash_once_at_step: int | None = Field(default=None, ge=0)
     """Fault injection for recovery tests: worker rank 1 (or 0 with one worker) raises once when it reaches
     this step. Leave unset."""
+
+    @field_validator("checkpoint_uri")
+    @classmethod
+    def _a_uri(cls, v: str | None) -> str | None:
+        if v is not None and "://" not in v:
+            raise ValueError(
+                f"must be a URI such as s3://bucket/prefix (a local directory is training.storage_path); got {v!r}"
+            )
+        return v
 
     @field_validator("num_workers")
     @classmethod

@@ -11,6 +11,7 @@ import yaml
 from peagle_ray.config import load_config
 from peagle_ray.serve.app import APP_NAME
 from tests.conftest import REPO
+from tests.test_multinode import TRAIN_CMD
 
 
 def check_serve_application(app: dict) -> None:
@@ -51,8 +52,25 @@ def test_kuberay_rayjob_trains_through_the_job_entry_point():
     job = yaml.safe_load((REPO / "deploy/kuberay/rayjob-train.yaml").read_text())
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     check_job_entrypoint(job["spec"]["entrypoint"])
+    assert tuple(shlex.split(job["spec"]["entrypoint"])[:3]) == TRAIN_CMD  # what the two-node test submits
     assert job["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"
     assert "RAY_AUTH_MODE" in yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+
+
+def test_every_node_of_the_rayjob_mounts_the_paths_its_config_names():
+    """Workers on any node read the target, prepared data and shards and write checkpoints: each absolute
+    path of the job's config lies under a volume every Ray container mounts."""
+    job = yaml.safe_load((REPO / "deploy/kuberay/rayjob-train.yaml").read_text())
+    words = shlex.split(job["spec"]["entrypoint"])
+    cfg = load_config(REPO / words[words.index("--config") + 1])
+    paths = [cfg.target.path, cfg.data.output_dir, cfg.capture.output_dir, cfg.training.storage_path]
+    spec = job["spec"]["rayClusterSpec"]
+    pods = [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
+    for pod in pods:
+        for container in pod["spec"]["containers"]:
+            mounts = [m["mountPath"] for m in container["volumeMounts"]]
+            for path in paths:
+                assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), (container["name"], path)
 
 
 def test_kuberay_rayservice_serves_the_builder():

@@ -162,9 +162,12 @@ def test_a_worker_crash_is_recovered_without_metric_gaps_or_duplicates(workdir, 
             crash_once_at_step=3,
             max_failures=1,
             validation_records=1,
+            checkpoint_uri=f"file://{workdir}/object-store",  # resumed from there (pyarrow.fs)
         )
     )
     assert (workdir / "train" / "crash.crashed").read_text() == "crashed at step 3"
+    assert list((workdir / "object-store" / "crash").glob("checkpoint_*/state.json"))
+    assert not list((workdir / "train" / "crash").glob("checkpoint_*"))
     assert history(summary, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(summary, "val/acceptance_length") == [1, 3, 5]
 

@@ -65,18 +65,26 @@ def check_inputs(cfg: PeagleConfig) -> dict:
     return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
 
 
-def check_storage_shared(storage: Path) -> None:
-    """Refuse, before any worker starts, a training.storage_path that some node of the cluster cannot see:
-    a worker restarted there could neither write its checkpoints nor resume from them."""
+def check_shared_paths(cfg: PeagleConfig, storage: Path) -> None:
+    """Refuse, before any worker starts, a directory the workers use that some node of the cluster cannot
+    see: training.storage_path (checkpoints, unless training.checkpoint_uri holds them), data.output_dir (the
+    draft vocabulary's token counts) and, offline, capture.output_dir (the shards)."""
     from peagle_ray.cluster import unshared_nodes
 
-    missing = unshared_nodes(storage)
-    if missing:
-        raise ConfigError(
-            f"training.storage_path = {storage} is a local path that node(s) {', '.join(missing)} of this "
-            "multi-node cluster cannot see; use a directory shared by every node at the same path (NFS) "
-            "or a cloud URI (s3://bucket/path, gs://bucket/path)"
-        )
+    paths = {"data.output_dir": Path(cfg.data.output_dir).resolve()}
+    if cfg.training.checkpoint_uri is None:  # checkpoints in object storage need no shared disk
+        paths["training.storage_path"] = storage
+    if cfg.capture.mode == "offline":
+        paths["capture.output_dir"] = Path(cfg.capture.output_dir).resolve()
+    for field, path in paths.items():
+        missing = unshared_nodes(path)
+        if missing:
+            raise ConfigError(
+                f"{field} = {path} is a local path that node(s) {', '.join(missing)} of this multi-node "
+                "cluster cannot see; use a directory shared by every node at the same path (NFS)"
+                + (" or keep the checkpoints in object storage with training.checkpoint_uri (s3://bucket/path)"
+                   if field == "training.storage_path" else "")
+            )  # fmt: skip
 
 
 def _score(metrics: dict) -> float:
@@ -153,7 +161,7 @@ def run_training(cfg: PeagleConfig) -> dict:
     inputs = check_inputs(cfg)
     storage = Path(cfg.training.storage_path).resolve()
     ensure_ray()
-    check_storage_shared(storage)
+    check_shared_paths(cfg, storage)
     with tracking_uri(cfg, storage / "mlflow") as uri:
         run_id, created = find_or_create_run(uri, cfg, storage / "mlflow")
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
@@ -193,7 +201,7 @@ def worker_plan(cfg: PeagleConfig, inputs: dict, uri: str, run_id: str, storage:
         "token_counts": inputs["token_counts"],
         "tracking_uri": uri,
         "run_id": run_id,
-        "storage_path": str(storage),
+        "storage_path": cfg.training.checkpoint_uri or str(storage),
         "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
         "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
     }

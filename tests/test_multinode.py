@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.config import build_config, dump_config
-from tests.helpers.cluster import LoopbackCluster
+from tests.helpers.cluster import BIN, LoopbackCluster
 
 pytestmark = pytest.mark.ray
 
@@ -77,6 +78,12 @@ def ran_on(actors: list[dict], class_name: str) -> list[str]:
     return [a["node_id"] for a in actors if class_name in a["class_name"]]
 
 
+def named(cluster, node_ids: list[str]) -> Counter:
+    """Node ids -> how many actors ran on each node, by node name (for the printed placement)."""
+    names = {n.node_id: n.name for n in cluster.nodes.values()}
+    return Counter(names.get(i, str(i)) for i in node_ids)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = LoopbackCluster(tmp_path_factory.mktemp("cluster"))
@@ -104,10 +111,18 @@ def test_capture_job_spreads_target_replicas_over_both_nodes(cluster, captured):
     tmp, actors = captured
     replicas = ran_on(actors, "TargetServer")
     stages = ran_on(actors, "CaptureStage")
-    print("target replicas ran on", replicas, "capture actors on", stages)
+    print("capture: target replicas ran on", named(cluster, replicas), "capture actors on", named(cluster, stages))
     assert len(replicas) == 2 and set(replicas) == {n.node_id for n in cluster.nodes.values()}
     assert len(stages) == 2
     assert (tmp / "hidden" / "manifest.json").is_file()
+
+
+def test_the_cluster_refuses_a_client_without_its_token(cluster):
+    wrong = {**cluster.env, "RAY_AUTH_TOKEN": "0" * 32}
+    out = subprocess.run([str(BIN / "ray"), "job", "list", f"--address={cluster.dashboard}"], env=wrong,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and "auth" in (out.stdout + out.stderr).lower()
+    assert cluster.run("ray", "job", "list", f"--address={cluster.dashboard}").returncode == 0
 
 
 def test_a_storage_path_some_node_cannot_see_is_refused_naming_the_field(cluster, captured, tiny_target):
@@ -158,7 +173,8 @@ def test_bench_capture_measures_one_and_two_replicas_over_the_nodes(cluster, cap
     before = {a["actor_id"] for a in cluster.actors()}
     cluster.submit(REPO, *cmd)
     result = json.loads(out_json.read_text())
-    print("bench capture by replicas:", result["by_replicas"], "prefill tok/s", result["prefill_tokens_per_s"])
+    print("bench capture by replicas:", result["by_replicas"], "prefill tok/s", result["prefill_tokens_per_s"],
+          "replicas ran on", named(cluster, ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")))  # fmt: skip
     assert [r["replicas"] for r in result["by_replicas"]] == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in result["by_replicas"]) and not result["bad_rows"]
     replicas = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")
@@ -174,7 +190,7 @@ def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured
     out = cluster.submit(REPO, *TRAIN_CMD, str(write_config(tmp, "two-nodes", raw)))
     assert "succeeded" in out.stdout, out.stdout[-3000:]
     workers = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "RayTrainWorker")
-    print("training workers ran on", Counter(workers))
+    print("training workers ran on", named(cluster, workers))
     assert set(workers) == {n.node_id for n in cluster.nodes.values()}
 
     one_node = run_training(build_config(config(tmp, tiny_target, "one-node")))

@@ -9,6 +9,7 @@ import json
 import subprocess
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,20 +17,12 @@ from mlflow.tracking import MlflowClient
 
 from peagle_ray.config import build_config, dump_config
 from tests.helpers.cluster import BIN, LoopbackCluster
+from tests.test_train_job import PROMPTS as TRAIN_JOB_PROMPTS
 
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "Write a haiku about rain.",
-    "What is a socket?",
-    "Sort a list in Python.",
-    "Name three colors.",
-    "Explain recursion briefly.",
-    "Translate 'good morning' into French.",
-    "What is 12 times 7?",
-    "Describe a cat in one sentence.",
-]
+PROMPTS = TRAIN_JOB_PROMPTS[:8]
 TRAIN_CMD = ("python", "jobs/train.py", "--config")  # deploy/kuberay/rayjob-train.yaml runs the same
 
 
@@ -207,6 +200,19 @@ def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured
     assert [v for _, v in losses["two-nodes"]] == pytest.approx([v for _, v in losses["one-node"]], rel=1e-5)
 
 
+@contextmanager
+def training_job(cluster, tmp: Path, raw: dict, env_vars: dict | None = None):
+    """A training job submitted in the background; the block drives the cluster meanwhile. On leaving, the
+    job must have succeeded (it is killed if the block raised)."""
+    path = write_config(tmp, raw["training"]["run_name"], raw)
+    job = cluster.submit_background(REPO, *TRAIN_CMD, str(path), env_vars=env_vars)
+    try:
+        yield job
+        assert job.wait(timeout=600) == 0
+    finally:
+        job.kill()
+
+
 def lose_node_mid_training(cluster, tmp, run_name, job, after_step):
     """Kill node2's raylet once MLflow has steps past `after_step` (a checkpoint is behind them); returns the
     step reached and the kill time."""
@@ -222,18 +228,14 @@ def test_losing_a_node_mid_training_resumes_from_the_checkpoint(cluster, capture
     steps = 60
     raw = config(tmp, tiny_target, "node-loss", max_steps=steps, validate_every=10, max_failures=3)
     before = {a["actor_id"] for a in cluster.actors()}
-    job = cluster.submit_background(REPO, *TRAIN_CMD, str(write_config(tmp, "node-loss", raw)))
-    try:
-        started = time.time()
+    started = time.time()
+    with training_job(cluster, tmp, raw) as job:
         reached, killed = lose_node_mid_training(cluster, tmp, "node-loss", job, 10)
         time.sleep(5)  # the survivor waits: a fixed-size group needs both workers
         stalled = max(s for s, _ in metric(tmp, "node-loss", "train/loss"))
         cluster.restart_node("node2")
         resumed = wait_for(lambda: max(s for s, _ in metric(tmp, "node-loss", "train/loss")) > stalled and time.time(),
                            "training to resume", job)  # fmt: skip
-        assert job.wait(timeout=600) == 0
-    finally:
-        job.kill()
     wall = time.time() - started
     history = metric(tmp, "node-loss", "train/loss")
     print(f"node-loss: killed at logged step {reached}, resumed {resumed - killed:.0f} s after the kill, "
@@ -252,9 +254,8 @@ def test_elastic_training_shrinks_to_one_worker_and_grows_back(cluster, captured
     # Ray Train first retries with the workers its cluster view (refreshed every 20 s) still counts, and waits
     # this long for them before it settles for fewer (default 60 s; README: elastic training).
     fast = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}
-    job = cluster.submit_background(REPO, *TRAIN_CMD, str(write_config(tmp, "elastic", raw)), env_vars=fast)
-    try:
-        started = time.time()
+    started = time.time()
+    with training_job(cluster, tmp, raw, env_vars=fast) as job:
         reached, killed = lose_node_mid_training(cluster, tmp, "elastic", job, 10)
         one = wait_for(lambda: 1 in {v for _, v in metric(tmp, "elastic", "train/workers")} and time.time(),
                        "steps on one worker", job)  # fmt: skip
@@ -264,9 +265,6 @@ def test_elastic_training_shrinks_to_one_worker_and_grows_back(cluster, captured
         two = wait_for(lambda: [v for _, v in metric(tmp, "elastic", "train/workers")][-1:] == [2] and
                        any(v == 1 for _, v in metric(tmp, "elastic", "train/workers")) and time.time(),
                        "the second worker back", job)  # fmt: skip
-        assert job.wait(timeout=600) == 0
-    finally:
-        job.kill()
     wall = time.time() - started
     history = metric(tmp, "elastic", "train/loss")
     workers = [int(v) for _, v in metric(tmp, "elastic", "train/workers")]

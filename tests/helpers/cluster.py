@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -32,15 +32,11 @@ class Node:
     name: str
     args: list[str]
     hidden: Path | None = None
-    pids: set[int] = field(default_factory=set)
     node_id: str = ""
 
     @property
     def temp_dir(self) -> str:
         return next(a.split("=", 1)[1] for a in self.args if a.startswith("--temp-dir="))
-
-    def raylet(self) -> psutil.Process:
-        return next(p for p in _processes(self.pids) if Path(p.cmdline()[0]).name == "raylet")
 
 
 def _processes(pids: set[int]) -> list[psutil.Process]:
@@ -71,19 +67,25 @@ class LoopbackCluster:
             "RAY_health_check_failure_threshold": "3",
         }
         self.nodes: dict[str, Node] = {}
+        self.temp_dirs: list[str] = []  # of every node started, removed ones included
 
     # ---- nodes ------------------------------------------------------------------------------------------
 
-    def _cluster_pids(self) -> set[int]:
-        needle = f":{self.gcs_port}"
+    @staticmethod
+    def _pids_mentioning(*needles: str) -> set[int]:
+        """Processes with any of `needles` in an argument of their command line."""
         pids = set()
         for p in psutil.process_iter(["pid", "cmdline"]):
-            if any(needle in arg for arg in p.info["cmdline"] or ()):
+            if any(n in arg for arg in p.info["cmdline"] or () for n in needles):
                 pids.add(p.info["pid"])
         return pids
 
+    def _cluster_pids(self) -> set[int]:
+        """Every process of this cluster: each names its node's temp dir (sockets, logs, session) or the
+        GCS address (the GCS server itself as --gcs_server_port=N)."""
+        return self._pids_mentioning(*self.temp_dirs, f":{self.gcs_port}", f"={self.gcs_port}")
+
     def _start(self, node: Node) -> Node:
-        before = self._cluster_pids()
         command = [str(BIN / "ray"), "start", *node.args]
         if node.hidden:  # a private mount namespace in which an empty tmpfs covers the directory
             mount = f"mount -t tmpfs tmpfs {shlex.quote(str(node.hidden))} && exec {shlex.join(command)}"
@@ -91,19 +93,43 @@ class LoopbackCluster:
         result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
         if result.returncode != 0:
             raise AssertionError(f"ray start exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
-        node.pids = self._cluster_pids() - before
-        raylet = node.raylet()
+        raylet = self.raylet(node)
         node.node_id = next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--node_id="))
         self.nodes[node.name] = node
         return node
+
+    def node_processes(self, node: Node) -> list[psutil.Process]:
+        """The node's processes now (raylet, agents, log monitor, workers): all name its temp dir."""
+        return _processes(self._pids_mentioning(node.temp_dir))
+
+    def raylet(self, node: Node) -> psutil.Process:
+        return next(p for p in self.node_processes(node) if Path(p.cmdline()[0]).name == "raylet")
 
     def _temp_dir(self, name: str) -> str:
         """Each node its own Ray temp dir, as on separate machines: nodes sharing one would share
         runtime_resources, and one node's cleanup of a job's working_dir would pull it from under another's.
         Short, under /tmp: Ray's socket paths live there."""
-        return tempfile.mkdtemp(prefix=f"ray-{name}-", dir="/tmp")
+        temp = tempfile.mkdtemp(prefix=f"ray-{name}-", dir="/tmp")
+        self.temp_dirs.append(temp)
+        return temp
 
     def start_head(self, num_cpus: int = 1) -> Node:
+        """`ray start --head` records its address as this machine's default cluster (/tmp/ray/
+        ray_current_cluster), which a later `ray.init()` in the test process would join (and fail on, token
+        auth, or once this cluster is gone); the file is put back as it was."""
+        from ray._common.utils import get_ray_address_file
+
+        address_file = Path(get_ray_address_file(None))
+        previous = address_file.read_text() if address_file.is_file() else None
+        try:
+            return self._start_head(num_cpus)
+        finally:
+            if previous is None:
+                address_file.unlink(missing_ok=True)
+            else:
+                address_file.write_text(previous)
+
+    def _start_head(self, num_cpus: int) -> Node:
         args = [
             "--head",
             f"--temp-dir={self._temp_dir('head')}",
@@ -139,15 +165,17 @@ class LoopbackCluster:
         """SIGKILL the node's raylet (its workers and agents go with it), then its leftovers; returns the
         time it was killed."""
         node = self.nodes[name]
-        node.raylet().send_signal(signal.SIGKILL)
+        self.raylet(node).send_signal(signal.SIGKILL)
         killed = time.time()
-        for p in _processes(node.pids):
+        leftovers = self.node_processes(node)
+        for p in leftovers:
             p.kill()
+        psutil.wait_procs(leftovers, timeout=30)
         return killed
 
     def remove_node(self, name: str) -> None:
         self.kill_node(name)
-        shutil.rmtree(self.nodes.pop(name).temp_dir, ignore_errors=True)
+        self.nodes.pop(name)
 
     def restart_node(self, name: str) -> Node:
         node = self.nodes.pop(name)
@@ -166,8 +194,8 @@ class LoopbackCluster:
         for p in procs:
             p.kill()
         psutil.wait_procs(procs, timeout=30)
-        for node in self.nodes.values():
-            shutil.rmtree(node.temp_dir, ignore_errors=True)
+        for temp in self.temp_dirs:
+            shutil.rmtree(temp, ignore_errors=True)
 
     # ---- Ray's CLI --------------------------------------------------------------------------------------
 

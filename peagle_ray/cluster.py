@@ -24,11 +24,6 @@ def ensure_ray() -> None:
         stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)
 
 
-def is_uri(path: str) -> bool:
-    """A pyarrow.fs URI (s3://, gs://, hdfs://, file://...) rather than a local path."""
-    return "://" in path
-
-
 def alive_nodes() -> list[dict]:
     """The cluster's alive nodes (ray.nodes() entries). Ray must be initialised."""
     import ray

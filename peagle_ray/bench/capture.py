@@ -93,10 +93,9 @@ def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256, replicas
         samples = [TokenizedSample(f"bench-{i}", "bench", "train", s, [1] * len(s)) for i, s in enumerate(sequences)]
         rows, bad_rows = [], {}
         for n in replicas:
-            records, seconds, bad = _capture_rate(cfg, samples, n, max(n, cfg.capture.num_actors))
-            rows.append(
-                {"replicas": n, "actors": max(n, cfg.capture.num_actors), "tokens_per_s": round(tokens / seconds, 1)}
-            )
+            actors = max(n, cfg.capture.num_actors)
+            records, seconds, bad = _capture_rate(cfg, samples, n, actors)
+            rows.append({"replicas": n, "actors": actors, "tokens_per_s": round(tokens / seconds, 1)})
             bad_rows.update(bad.counts)
         shard_dir = Path(tmp) / "shards"
         write_offline(records, shard_dir, cfg.capture.shard_size)

@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.config import build_config, dump_config
+from peagle_ray.tracking import RUN_NAME_TAG, metric_history
 from tests.helpers.cluster import BIN, LoopbackCluster
 from tests.test_train_job import PROMPTS as TRAIN_JOB_PROMPTS
 
@@ -126,8 +127,7 @@ def test_a_storage_path_some_node_cannot_see_is_refused_naming_the_field(cluster
     try:
         cluster.wait_alive(3)
         raw = config(tmp, tiny_target, "unshared", storage_path=str(hidden))
-        out = cluster.run("ray", "job", "submit", f"--address={cluster.dashboard}", f"--working-dir={REPO}", "--",
-                          *TRAIN_CMD, str(write_config(tmp, "unshared", raw)), check=False)  # fmt: skip
+        out = cluster.submit(REPO, *TRAIN_CMD, str(write_config(tmp, "unshared", raw)), check=False)
     finally:
         cluster.remove_node("node3")
         cluster.wait_alive(2)
@@ -138,12 +138,11 @@ def test_a_storage_path_some_node_cannot_see_is_refused_naming_the_field(cluster
 
 def metric(tmp: Path, run_name: str, name: str) -> list[tuple[int, float]]:
     """(step, value) of a run's metric, read from the tracking store while the job runs ([] before)."""
-    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("peagle-ray")
-    runs = (
-        client.search_runs([experiment.experiment_id], f"tags.`peagle.run_name` = '{run_name}'") if experiment else []
-    )
-    return [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, name)] if runs else []
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{RUN_NAME_TAG}` = '{run_name}'") if experiment else []
+    return metric_history(uri, runs[0].info.run_id, name) if runs else []
 
 
 def wait_for(condition, what: str, job, timeout: float = 300, every: float = 1.0):
@@ -186,16 +185,8 @@ def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured
     print("training workers ran on", named(cluster, workers))
     assert set(workers) == {n.node_id for n in cluster.nodes.values()}
 
-    one_node = run_training(build_config(config(tmp, tiny_target, "one-node")))
-    client = MlflowClient(one_node["tracking_uri"])
-    runs = {
-        r.info.run_name: r.info.run_id
-        for r in client.search_runs(client.get_experiment_by_name("peagle-ray").experiment_id)
-    }
-    losses = {
-        name: [(m.step, m.value) for m in client.get_metric_history(runs[name], "train/loss")]
-        for name in ("two-nodes", "one-node")
-    }
+    run_training(build_config(config(tmp, tiny_target, "one-node")))
+    losses = {name: metric(tmp, name, "train/loss") for name in ("two-nodes", "one-node")}
     assert [s for s, _ in losses["two-nodes"]] == [s for s, _ in losses["one-node"]] == list(range(6))
     assert [v for _, v in losses["two-nodes"]] == pytest.approx([v for _, v in losses["one-node"]], rel=1e-5)
 

@@ -178,8 +178,7 @@ class LoopbackCluster:
         self.nodes.pop(name)
 
     def restart_node(self, name: str) -> Node:
-        node = self.nodes.pop(name)
-        return self._start(Node(name, node.args, hidden=node.hidden))
+        return self._start(self.nodes.pop(name))  # same arguments and temp dir; _start reads the new node id
 
     def wait_alive(self, count: int, timeout: float = 60) -> None:
         deadline = time.time() + timeout
@@ -208,23 +207,23 @@ class LoopbackCluster:
             raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
         return result
 
-    def submit(self, working_dir: Path, *entrypoint: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    def _submit_args(self, working_dir: Path, entrypoint: tuple[str, ...], env_vars: dict | None) -> list[str]:
+        runtime_env = [f"--runtime-env-json={json.dumps({'env_vars': env_vars})}"] if env_vars else []
+        address, directory = f"--address={self.dashboard}", f"--working-dir={working_dir}"
+        return ["ray", "job", "submit", address, directory, *runtime_env, "--", *entrypoint]
+
+    def submit(self, working_dir: Path, *entrypoint: str, check: bool = True) -> subprocess.CompletedProcess:
         """`ray job submit` and wait for the job (its logs are the output)."""
-        return self.run(
-            "ray", "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}", "--",
-            *entrypoint, timeout=timeout,
-        )  # fmt: skip
+        return self.run(*self._submit_args(working_dir, entrypoint, None), check=check)
 
     def submit_background(self, working_dir: Path, *entrypoint: str, env_vars: dict | None = None) -> subprocess.Popen:
         """`ray job submit` in the background (its output goes to job-*.log in the cluster's directory);
         env_vars go into the job's runtime_env, so every actor of the job sees them."""
+        ray, *args = self._submit_args(working_dir, entrypoint, env_vars)
         log = open(self.tmp / f"job-{time.time_ns()}.log", "w")
-        runtime_env = [f"--runtime-env-json={json.dumps({'env_vars': env_vars})}"] if env_vars else []
         return subprocess.Popen(
-            [str(BIN / "ray"), "job", "submit", f"--address={self.dashboard}", f"--working-dir={working_dir}",
-             *runtime_env, "--", *entrypoint],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
-        )  # fmt: skip
+            [str(BIN / ray), *args], env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp
+        )
 
     def alive_nodes(self) -> list[dict]:
         out = self.run("ray", "list", "nodes", f"--address={self.dashboard}", "--format=json", check=False)

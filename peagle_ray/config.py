@@ -389,6 +389,22 @@ class ServingConfig(_Section):
     log_dir: str = "runs/logs"
     """Where server processes write their logs."""
 
+    record_dir: str | None = None
+    """Record the endpoint's traffic here for `peagle-ray adapt` (None: off). Per finished request: the
+    messages or prompt as sent, the prompt's token ids as the target saw them, the generated token ids,
+    the sampling parameters, the model and drafter version; never headers or tokens (serve/record.py).
+    Files are JSONL, mode 0600; a write failure logs one warning and recording stops."""
+
+    record_file_mb: float = Field(default=64.0, gt=0.0)
+    """Size at which a recording file is closed and the next one started."""
+
+    record_max_mb: float = Field(default=1024.0, gt=0.0)
+    """Most megabytes one endpoint replica keeps recorded; its oldest files are deleted beyond it."""
+
+    drafter_version: str | None = None
+    """The drafter's registered version (e.g. peagle-drafter/3), shown by /v1/speculative_stats and
+    recorded with traffic; `peagle-ray adapt` sets it when it swaps a version in."""
+
 
 class EvalConfig(_Section):
     k_values: list[int] = Field(default_factory=lambda: list(range(1, 9)))
@@ -446,6 +462,11 @@ class PeagleConfig(_Section):
             raise ValueError(
                 f"data.regenerate must be true for Magpie sources (they have no answers); got "
                 f"sources {magpie} with regenerate false"
+            )
+        if self.serving.record_max_mb < self.serving.record_file_mb:
+            raise ValueError(
+                "serving.record_max_mb must be at least serving.record_file_mb (one file); got "
+                f"{self.serving.record_max_mb} < {self.serving.record_file_mb}"
             )
         if self.drafter.cod_min_ratio > self.drafter.cod_keep_ratio:
             raise ValueError(

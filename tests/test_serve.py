@@ -2,6 +2,8 @@
 client and raw HTTP. Greedy outputs must equal the target's own greedy decoding (float32)."""
 
 import json
+import stat
+import time
 import urllib.error
 import urllib.request
 
@@ -11,6 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peagle_ray.config import build_config
+from peagle_ray.data.prepare import BadRows
+from peagle_ray.data.sources import read_conversations
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter, read_drafter
 from peagle_ray.serve.app import RequestLimits, free_port, start_endpoint, stop_endpoint, vllm_args
@@ -30,11 +34,17 @@ def drafter_dir(tiny_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_target, drafter_dir, ray_local):
+def record_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("recorded") / "traffic"
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_target, drafter_dir, record_dir, ray_local):
+    serving = {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64, "max_prompt_tokens": 200}
     cfg = build_config(
         {
             "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
-            "serving": {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64, "max_prompt_tokens": 200},
+            "serving": {**serving, "record_dir": str(record_dir), "drafter_version": "peagle-drafter/7"},
         }
     )
     url = start_endpoint(cfg, tiny_target, read_drafter(drafter_dir) if drafter_dir else None)
@@ -114,6 +124,7 @@ def test_speculative_stats_as_json_and_prometheus(endpoint):
     request = urllib.request.Request(f"{url}/v1/speculative_stats", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=30) as resp:
         stats = json.loads(resp.read())
+    assert stats["version"] == "peagle-drafter/7"
     assert stats["algorithm"] == "peagle" and stats["drafts"] > 0 and stats["draft_tokens"] == 3 * stats["drafts"]
     assert len(stats["acceptance_per_position"]) == 3
     assert stats["acceptance_length"] == pytest.approx(1 + stats["accepted_tokens"] / stats["drafts"])
@@ -122,6 +133,59 @@ def test_speculative_stats_as_json_and_prometheus(endpoint):
     assert "peagle_acceptance_length " in text and "vllm:spec_decode_num_drafts_total" in text
     with urllib.request.urlopen(f"{url}/health", timeout=30) as resp:
         assert resp.status == 200
+
+
+def recorded(record_dir, match, count: int, timeout_s: float = 30) -> list[dict]:
+    """The recorded requests `match` accepts, once `count` of them are on disk (the replica writes them off
+    the request path, so they land a moment after the response)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = [json.loads(line) for path in sorted(record_dir.glob("traffic-*.jsonl")) for line in path.open()]
+        found = [r for r in rows if match(r)]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_traffic_is_recorded_as_the_target_saw_and_said_it(endpoint, record_dir, tiny_target):
+    url, model = endpoint
+    api = client(url)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    messages = [{"role": "user", "content": "Please record this question."}]
+    api.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "metadata": {"conversation_id": "conv-1"}},
+    )
+    streamed = api.completions.create(
+        model=model,
+        prompt="def recorded(x):",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed)
+    [chat] = recorded(record_dir, lambda r: r["conversation_id"] == "conv-1", 1)
+    [completion] = recorded(record_dir, lambda r: r["prompt"] == "def recorded(x):", 1)
+    chat_ids = tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
+    assert chat["route"] == "chat" and chat["messages"] == messages and chat["prompt_ids"] == chat_ids
+    assert chat["output_ids"] == [hf_greedy(tiny_target, chat_ids, 12)] and chat["sampling"]["temperature"] == 0
+    assert chat["model"] == model and chat["drafter"]["algorithm"] == "peagle"
+    assert chat["drafter"]["version"] == "peagle-drafter/7"
+    prompt_ids = tokenizer("def recorded(x):")["input_ids"]
+    assert completion["route"] == "completion" and completion["prompt_ids"] == prompt_ids
+    assert completion["output_ids"] == [hf_greedy(tiny_target, prompt_ids, 10)]  # streamed deltas, joined
+    files = list(record_dir.glob("traffic-*.jsonl"))
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    assert not any(TOKEN in p.read_text() or "Bearer" in p.read_text() for p in files)  # never headers
+    bad = BadRows()
+    conversations = list(read_conversations([f"traffic:{record_dir}"], 0.0, bad))
+    assert bad.total() == 0 and any(c.output_ids == chat["output_ids"][0] for c in conversations)
 
 
 BAD_REQUESTS = [

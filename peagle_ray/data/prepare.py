@@ -74,6 +74,8 @@ class Conversation:
     messages: list[dict]
     category: str = "user"
     split: str = "train"
+    prompt_ids: list[int] | None = None  # recorded traffic: the prompt as the target saw it (template applied)
+    output_ids: list[int] | None = None  # recorded traffic: what the target generated for it
 
 
 @dataclass
@@ -295,7 +297,7 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
     if regenerate is None:
         for c in batch:
             try:
-                ids, mask = tokenize_conversation(tokenizer, c.messages, max_length)
+                ids, mask = _recorded_sample(c, max_length) or tokenize_conversation(tokenizer, c.messages, max_length)
             except BadRow as err:
                 bad.skip(err, c.sample_id)
                 continue
@@ -304,7 +306,7 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
     prompts, kept = [], []
     for c in batch:
         try:
-            prompt = prompt_for_regeneration(tokenizer, c.messages)
+            prompt = c.prompt_ids if c.prompt_ids is not None else prompt_for_regeneration(tokenizer, c.messages)
             if len(prompt) >= max_length:
                 raise BadRow("over_length", f"prompt of {len(prompt)} tokens >= max_length {max_length}")
             prompts.append(prompt)
@@ -322,6 +324,16 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
             bad.skip(err, c.sample_id)
             continue
         yield TokenizedSample(c.sample_id, c.category, c.split, ids, mask)
+
+
+def _recorded_sample(c: Conversation, max_length: int) -> tuple[list[int], list[int]] | None:
+    """(input_ids, loss_mask) of recorded traffic (prompt then output, the output learned), else None."""
+    if c.prompt_ids is None or c.output_ids is None:
+        return None
+    if not c.output_ids:
+        raise BadRow("no_assistant_turn", "the target generated nothing")
+    ids = list(c.prompt_ids) + list(c.output_ids)
+    return finish_sample(ids, [0] * len(c.prompt_ids) + [1] * len(c.output_ids), max_length)
 
 
 def write_prepared(

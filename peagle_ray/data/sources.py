@@ -7,6 +7,7 @@
     PATH.jsonl / .json   OpenAI `messages`, ShareGPT `conversations` or `{"prompt": ...}` rows
     PATH.txt             one prompt per line
     DIRECTORY            a data set saved with `datasets.save_to_disk`
+    "traffic:DIR"        traffic the endpoint recorded (serving.record_dir), split by request (data/traffic.py)
 
 Bad rows are counted in `bad` by reason and skipped, never raised.
 """
@@ -23,6 +24,7 @@ from peagle_ray.config import ConfigError
 from peagle_ray.data.prepare import BadRow, BadRows, Conversation, normalize_messages, split_of
 from peagle_ray.data.public import json_array_items, sharegpt_conversations
 from peagle_ray.data.suite import builtin_conversations
+from peagle_ray.data.traffic import check_traffic_source, is_traffic, traffic_conversations
 
 FILE_SUFFIXES = (".jsonl", ".json", ".txt")
 
@@ -62,6 +64,8 @@ def read_conversations(
                     "run it through `peagle-ray data prepare`, which starts the target"
                 )
             yield from magpie_conversations(source_count(source), write_prompts, validation_fraction, bad)
+        elif is_traffic(source):
+            yield from traffic_conversations(source, validation_fraction, bad, max_row_bytes)
         else:
             yield from file_conversations(source, validation_fraction, bad, max_row_bytes)
 
@@ -70,6 +74,9 @@ def check_sources(sources: list[str]) -> None:
     """Fail before any work on a data.sources entry that names no readable file or data set directory."""
     for source in sources:
         if source in ("builtin", "sharegpt") or source.startswith(("sharegpt:", "magpie:")):
+            continue
+        if is_traffic(source):
+            check_traffic_source(source)
             continue
         path = Path(source)
         expected = "a .jsonl/.json/.txt file or a directory saved with `datasets.save_to_disk`"
@@ -82,7 +89,7 @@ def check_sources(sources: list[str]) -> None:
         elif not path.exists():
             raise FileNotFoundError(
                 f"data.sources entry {source!r} does not exist; expected 'builtin', "
-                f"'sharegpt[:N]', 'magpie:N' or {expected}"
+                f"'sharegpt[:N]', 'magpie:N', 'traffic:DIR' or {expected}"
             )
         elif path.suffix not in FILE_SUFFIXES:
             raise ConfigError(f"data.sources entry {source!r} has suffix {path.suffix!r}; expected {expected}")

@@ -9,7 +9,9 @@ an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_
     serving.max_prompt_tokens, generated tokens (prompts x n x max_tokens) over serving.max_tokens_limit,
     or an unknown chat role (vLLM's own validation answers every other malformed request with a 4xx);
   * GET /v1/speculative_stats: drafts, accepted tokens, acceptance per position and AL as JSON, and the
-    same as Prometheus gauges (peagle_acceptance_length, peagle_acceptance_rate{position}) on /metrics.
+    same as Prometheus gauges (peagle_acceptance_length, peagle_acceptance_rate{position}) on /metrics;
+  * with serving.record_dir, a record of every finished request for adaptation (serve/record.py), written
+    off the request path.
 
     url = start_endpoint(cfg, target_dir, read_drafter(drafter_dir))     # serve.run; blocks until ready
     stop_endpoint()
@@ -17,6 +19,7 @@ an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import cli_args, engine_args, target_engine_env
 from peagle_ray.export.speculators import DrafterInfo, export_dir, read_drafter, speculative_config
 from peagle_ray.serve.limits import Limits, admit
+from peagle_ray.serve.record import CURRENT_REQUEST
 
 APP_NAME = "peagle-openai"
 LIMITED_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -59,8 +63,8 @@ def vllm_args(
 class RequestLimits:
     """Pure ASGI middleware: admits the body of POST /v1/completions and /v1/chat/completions (serve/limits.py)."""
 
-    def __init__(self, app, tokenizer, limits: Limits):
-        self.app, self.tokenizer, self.limits = app, tokenizer, limits
+    def __init__(self, app, tokenizer, limits: Limits, recording: bool = False):
+        self.app, self.tokenizer, self.limits, self.recording = app, tokenizer, limits, recording
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_ROUTES:
@@ -86,6 +90,9 @@ class RequestLimits:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # then pass disconnects through
 
+        if self.recording:  # the engine wrapper (serve/record.py) reads it inside this request's task
+            route = "chat" if scope["path"].endswith("chat/completions") else "completion"
+            CURRENT_REQUEST.set((route, json.loads(body)))
         return await self.app(scope, replay, send)
 
     def check(self, body: bytes, path: str) -> tuple[tuple[int, bytes] | None, bytes]:
@@ -122,6 +129,15 @@ def request_limits(cfg: PeagleConfig) -> Limits:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """serving.record_dir and its size limits, in bytes."""
+
+    directory: str
+    file_bytes: int
+    max_bytes: int
+
+
+@dataclass(frozen=True)
 class EndpointSpec:
     """Plain data the replica builds its app from."""
 
@@ -129,6 +145,8 @@ class EndpointSpec:
     target_dir: str
     limits: Limits
     drafter: DrafterInfo | None
+    drafter_version: str | None = None
+    recording: Recording | None = None
 
 
 @serve.deployment(name="OpenAIEndpoint", max_ongoing_requests=256, health_check_period_s=10)
@@ -156,15 +174,15 @@ class OpenAIEndpoint:
         self.engine = await self._engine_context.__aenter__()
         tasks = await self.engine.get_supported_tasks()
         app = build_app(args, tasks, self.engine.model_config)
-        await init_app_state(self.engine, app.state, args, tasks)
+        names = args.served_model_name
+        await init_app_state(self._recorded(names[0] if isinstance(names, list) else names), app.state, args, tasks)
         app.router.lifespan_context = _no_lifespan  # vLLM's only starts a periodic stats print
 
-        drafter = self.spec.drafter
+        drafter = self.drafter_json()
 
         @app.get("/v1/speculative_stats")
         async def speculative_stats():
-            info = {"algorithm": drafter.algorithm, "drafter": drafter.path} if drafter else {"algorithm": None}
-            return JSONResponse({**info, **current_stats().to_json()})
+            return JSONResponse({**(drafter or {"algorithm": None}), **current_stats().to_json()})
 
         try:
             get_prometheus_registry().register(SpecStatsCollector())
@@ -172,9 +190,27 @@ class OpenAIEndpoint:
             pass  # already registered in this process
         tokenizer = AutoTokenizer.from_pretrained(self.spec.target_dir)
         # wrapped rather than app.add_middleware: vLLM's app has already built its middleware stack
-        return RequestLimits(app, tokenizer, self.spec.limits)
+        return RequestLimits(app, tokenizer, self.spec.limits, recording=self.recorder is not None)
+
+    def drafter_json(self) -> dict | None:
+        """{algorithm, drafter (its path), version} of the drafter served, None for the target alone."""
+        d = self.spec.drafter
+        return {"algorithm": d.algorithm, "drafter": d.path, "version": self.spec.drafter_version} if d else None
+
+    def _recorded(self, model: str):
+        """The engine client the app uses: the engine itself, or seen through a traffic recorder."""
+        from peagle_ray.serve.record import RecordingEngine, TrafficRecorder
+
+        self.recorder = None
+        rec = self.spec.recording
+        if rec is None:
+            return self.engine
+        self.recorder = TrafficRecorder(rec.directory, rec.file_bytes, rec.max_bytes)
+        return RecordingEngine(self.engine, self.recorder, model, self.drafter_json())
 
     def __del__(self):
+        if getattr(self, "recorder", None) is not None:
+            self.recorder.close()
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
 
@@ -193,10 +229,25 @@ class _no_lifespan:
 def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None):
     """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter."""
     k = k or cfg.serving.num_speculative_tokens
-    spec = EndpointSpec(vllm_args(cfg, target_dir, drafter, k), str(target_dir), request_limits(cfg), drafter)
+    spec = EndpointSpec(
+        vllm_args(cfg, target_dir, drafter, k),
+        str(target_dir),
+        request_limits(cfg),
+        drafter,
+        cfg.serving.drafter_version,
+        recording(cfg),
+    )
     env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
     return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)
+
+
+def recording(cfg: PeagleConfig) -> Recording | None:
+    s = cfg.serving
+    if s.record_dir is None:
+        return None
+    mb = 1 << 20
+    return Recording(str(Path(s.record_dir).resolve()), int(s.record_file_mb * mb), int(s.record_max_mb * mb))
 
 
 def ensure_serve_http(host: str, port: int) -> None:

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "export": "Export a training checkpoint to the speculators format vLLM loads.",
     "eval": "Measure acceptance per position, tokens/s and speedup against the target alone.",
     "serve": "Serve the target with the drafter as an OpenAI-compatible REST endpoint on Ray Serve.",
+    "adapt": "Fine-tune the served drafter on the endpoint's recorded traffic; promote and swap in if better.",
     "demo": "Run the main job on the embedded default target, end to end.",
     "bench": "Benchmarks that write JSON (draft latency, training memory, masks, capture, e2e, load).",
 }
@@ -89,6 +90,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = _config(args)
     drafter = None if args.no_drafter else (args.drafter or default_drafter_dir(cfg))
     serve_forever(cfg, drafter, args.num_speculative_tokens, args.detach)
+    return 0
+
+
+def _cmd_adapt(args: argparse.Namespace) -> int:
+    from peagle_ray.adapt import run_adapt
+
+    report = run_adapt(_config(args))
+    _write_json(report, args.json)
     return 0
 
 
@@ -292,6 +301,19 @@ COMMANDS = [
         ),
         description="Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port "
         "(loopback by default); bearer-token auth when serving.api_token is set. Ctrl-C stops it.",
+    ),
+    Command(
+        "adapt",
+        SUBCOMMANDS["adapt"],
+        _cmd_adapt,
+        (JSON_ARG,),
+        description="Reads the traffic the endpoint recorded (serving.record_dir, or adapt.traffic_dir), starts "
+        "from the registered version holding adapt.alias, fine-tunes adapt.max_steps steps (capture through "
+        "the Serve-hosted target), measures the served and the new drafter with stock vLLM on the held-out "
+        "traffic and on adapt.general_suite, registers the new version with its parent and measurements, and "
+        "promotes it (moves the alias; swaps it into the endpoint running on this Ray cluster) when held-out "
+        "AL gains adapt.min_gain and the suite loses at most adapt.max_regression. Refuses with no recording, "
+        "too little traffic or no registered version.",
     ),
     Command(
         "demo",

@@ -431,6 +431,36 @@ class EvalConfig(_Section):
         return v
 
 
+class AdaptConfig(_Section):
+    traffic_dir: str | None = None
+    """Recorded traffic to adapt on; None reads serving.record_dir (where the endpoint records)."""
+
+    alias: str = "serving"
+    """Registry alias of the drafter the endpoint serves: adaptation starts from it and moves it to the
+    new version when promoted. The first version registered under tracking.registered_model gets it."""
+
+    max_steps: int = Field(default=100, gt=0)
+    """Fine-tuning steps of one adaptation (training.* gives everything else: lr, sequences per step...)."""
+
+    min_requests: int = Field(default=16, gt=0)
+    """Fewest recorded training samples worth adapting on; fewer is refused with the count found."""
+
+    validation_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
+    """Share of recorded requests (by conversation id, else by request) held out to judge the new version."""
+
+    min_gain: float = Field(default=0.05, ge=0.0)
+    """Held-out traffic AL the new version must gain over the served one to be promoted."""
+
+    max_regression: float = Field(default=0.02, ge=0.0)
+    """Most AL the new version may lose on the general suite (forgetting) and still be promoted."""
+
+    general_suite: Literal["mt-bench", "humaneval"] = "mt-bench"
+    """Fixed suite both versions are measured on to catch forgetting."""
+
+    swap: bool = True
+    """After a promotion, swap the new drafter into the endpoint running on this Ray cluster (if any)."""
+
+
 class PeagleConfig(_Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
     """The model being served and verified against."""
@@ -448,6 +478,8 @@ class PeagleConfig(_Section):
     """The drafting-enabled REST endpoint."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Acceptance and throughput evaluation."""
+    adapt: AdaptConfig = Field(default_factory=AdaptConfig)
+    """Adapting the served drafter to recorded traffic (`peagle-ray adapt`)."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> PeagleConfig:

@@ -278,8 +278,10 @@ def log_files(
         client.log_artifacts(run_id, str(directory), artifact_path=key)
 
 
-def register_model(uri: str, run_id: str, name: str, artifact_path: str) -> None:
-    """A new version of the registered model `name` (made if missing) from the run's artifacts."""
+def register_model(uri: str, run_id: str, name: str, artifact_path: str, tags: dict | None = None) -> str:
+    """A new version of the registered model `name` (made if missing) from the run's artifacts; returns the
+    version number. The first version of a model also gets the alias `serving` (what the endpoint and
+    `peagle-ray adapt` start from); later ones get it only when promoted."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -288,7 +290,51 @@ def register_model(uri: str, run_id: str, name: str, artifact_path: str) -> None
         client.create_registered_model(name)
     except MlflowException:
         pass  # already registered: add a version
-    client.create_model_version(name, f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}", run_id=run_id)
+    source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    version = client.create_model_version(name, source, run_id=run_id, tags=tags or {}).version
+    if not client.get_registered_model(name).aliases:
+        client.set_registered_model_alias(name, SERVING_ALIAS, version)
+    return str(version)
+
+
+SERVING_ALIAS = "serving"
+
+
+def aliased_version(uri: str, name: str, alias: str) -> dict | None:
+    """{version, run_id, source, tags} of the version of `name` holding `alias`; None when the model or
+    the alias does not exist."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        v = MlflowClient(uri).get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+    return {"version": str(v.version), "run_id": v.run_id, "source": v.source, "tags": dict(v.tags)}
+
+
+def set_alias(uri: str, name: str, alias: str, version: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).set_registered_model_alias(name, alias, version)
+
+
+def set_version_tags(uri: str, name: str, version: str, tags: dict) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, str(value))
+
+
+def download_version(uri: str, name: str, version: str, dst: Path) -> Path:
+    """The files of a registered version (an exported drafter) in dst; returns dst."""
+    import mlflow.artifacts
+    from mlflow.tracking import MlflowClient
+
+    source = MlflowClient(uri).get_model_version_download_uri(name, version)
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=uri))
 
 
 def set_tag(uri: str, run_id: str, key: str, value) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from peagle_ray.cli import SUBCOMMANDS, main
 
-EXPECTED = ["target", "data", "train", "export", "eval", "serve", "demo", "bench"]
+EXPECTED = ["target", "data", "train", "export", "eval", "serve", "adapt", "demo", "bench"]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -76,3 +76,15 @@ def test_mask_token_falls_back_to_pad_then_errors(tokenizer):
 def test_explicit_mask_token_out_of_range_is_refused(tokenizer):
     with pytest.raises(ValueError, match=r"drafter\.mask_token_id must be in \[0, 100\); got 100"):
         resolve_mask_token(tokenizer, 100, explicit=100)
+
+
+def test_a_run_started_from_a_drafter_keeps_its_draft_vocabulary(tmp_path):
+    from safetensors.torch import save_file
+
+    from peagle_ray.drafter.build import initial_vocabulary
+
+    save_file({"d2t": torch.tensor([0, 1, 5]), "fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    d2t, t2d = initial_vocabulary(tmp_path, 8)  # draft ids 0, 1, 2 -> target ids 0, 2, 7
+    assert d2t.tolist() == [0, 1, 5] and t2d.tolist() == [True, False, True, False, False, False, False, True]
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert initial_vocabulary(tmp_path, 8) is None  # full vocabulary: the run's own choice stands

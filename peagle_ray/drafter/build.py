@@ -121,13 +121,39 @@ def drafter_for_target(
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
         mask = resolve_mask_token(tokenizer, info_vocab, drafter_cfg.mask_token_id)
     counts = token_counts if token_counts is not None else torch.ones(info_vocab)
-    d2t, t2d = draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
+    inherited = initial_vocabulary(init_from, info_vocab) if init_from is not None else None
+    d2t, t2d = inherited or draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
     arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
     drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator, drafter_cfg.init_std)
     if init_from is not None:
         load_initial_weights(drafter, init_from)
     drafter.lm_head.weight.requires_grad_(not drafter_cfg.freeze_lm_head)
     return drafter, teacher, mask
+
+
+def _weights_file(source: Path) -> Path:
+    files = [source / name for name in ("model.safetensors", "drafter.safetensors") if (source / name).is_file()]
+    if not files:
+        raise FileNotFoundError(
+            f"training.init_from must be an exported drafter or a checkpoint directory (with "
+            f"model.safetensors or drafter.safetensors); got {source}"
+        )
+    return files[0]
+
+
+def initial_vocabulary(source: str | Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(d2t, t2d) of the drafter a run starts from, None when it has no reduced vocabulary: fine-tuning
+    keeps the draft vocabulary its head was trained on, whatever the new data's token counts say.
+    e.g. d2t [0, 1, 5] (target ids 0, 2, 7) in a vocabulary of 8 -> t2d [1, 0, 1, 0, 0, 0, 0, 1]."""
+    from safetensors import safe_open
+
+    with safe_open(str(_weights_file(Path(source))), "pt") as f:
+        if "d2t" not in f.keys():
+            return None
+        d2t = f.get_tensor("d2t").long()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[d2t + torch.arange(d2t.shape[0])] = True
+    return d2t, t2d
 
 
 def load_initial_weights(drafter: Drafter, source: str | Path) -> list[str]:
@@ -137,13 +163,7 @@ def load_initial_weights(drafter: Drafter, source: str | Path) -> list[str]:
     from safetensors.torch import load_file
 
     source = Path(source)
-    files = [source / name for name in ("model.safetensors", "drafter.safetensors") if (source / name).is_file()]
-    if not files:
-        raise FileNotFoundError(
-            f"training.init_from must be an exported drafter or a checkpoint directory (with "
-            f"model.safetensors or drafter.safetensors); got {source}"
-        )
-    weights = load_file(str(files[0]))
+    weights = load_file(str(_weights_file(source)))
     own = drafter.state_dict()
     if "d2t" in weights and not torch.equal(weights["d2t"], own["d2t"]):
         raise ValueError(

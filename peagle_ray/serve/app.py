@@ -239,7 +239,8 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | Non
     )
     env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
-    return OpenAIEndpoint.options(ray_actor_options=options).bind(spec)
+    # max_surge_percent 100: on a new drafter the old replica serves until its replacement is ready (swap)
+    return OpenAIEndpoint.options(ray_actor_options=options, max_surge_percent=100).bind(spec)
 
 
 def recording(cfg: PeagleConfig) -> Recording | None:
@@ -296,6 +297,38 @@ def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = N
     finally:
         stop_endpoint()
         serve.shutdown()
+
+
+def endpoint_running() -> bool:
+    """Whether this Ray cluster runs the endpoint's application (Ray must be initialised)."""
+    from ray.serve.context import _get_global_client
+
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return False
+    return APP_NAME in serve.status().applications
+
+
+def swap_drafter(cfg: PeagleConfig, drafter_dir: Path, version: str | None, previous: tuple[Path, str | None]) -> None:
+    """Roll the running endpoint onto another drafter without dropping a request: Serve starts a replica
+    with the new drafter while the old one serves (max_surge_percent), routes to it once it is ready, and
+    drains the old one. A new replica that fails to start raises RuntimeError after the application is
+    put back on `previous` (drafter dir, version), which is still serving."""
+    from peagle_ray.config import with_values
+    from peagle_ray.target import resolve_target_path
+
+    target = resolve_target_path(cfg)
+
+    def deploy(directory: Path, label: str | None) -> None:
+        versioned = with_values(cfg, {"serving.drafter_version": label})
+        serve.run(endpoint_app(versioned, target, read_drafter(directory)), name=APP_NAME, route_prefix="/")
+
+    try:
+        deploy(drafter_dir, version)
+    except Exception as err:  # noqa: BLE001 - Serve raises its own types for a failed deployment
+        deploy(*previous)  # the old replicas match this version: Serve keeps them, nothing restarts
+        raise RuntimeError(
+            f"swapping in drafter {drafter_dir} ({version}) failed: {err}; {previous[0]} keeps serving"
+        ) from err
 
 
 def stop_endpoint() -> None:

@@ -177,7 +177,7 @@ def run_training(cfg: PeagleConfig) -> dict:
             best, best_metrics = max(result.best_checkpoints, key=lambda cm: _score(cm[1]))
             export = run_export_dir(storage, cfg.training.run_name)
             _export_best(best, export, cfg, inputs, {"run_id": run_id, "best_step": best_metrics.get("step")})
-            _log_artifacts(uri, run_id, cfg, storage / cfg.training.run_name, export, best_metrics)
+            version = _log_artifacts(uri, run_id, cfg, storage / cfg.training.run_name, export, best_metrics)
     summary = {
         "run_id": run_id,
         "tracking_uri": uri,
@@ -185,6 +185,7 @@ def run_training(cfg: PeagleConfig) -> dict:
         "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
         "export_dir": str(export),
         "checkpoint": best.path,
+        "registered_version": version,
     }
     (storage / cfg.training.run_name / "summary.json").write_text(json.dumps(summary, indent=2))
     al = best_metrics.get("val/acceptance_length", float("nan"))
@@ -246,7 +247,10 @@ def _export_best(checkpoint, out_dir: Path, cfg: PeagleConfig, inputs: dict, pro
     )
 
 
-def _log_artifacts(uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict) -> None:
+def _log_artifacts(
+    uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, export_dir: Path, metrics: dict
+) -> str | None:
+    """Config, provenance, plot and the drafter into the run; returns the registered version (if any)."""
     from peagle_ray.config import dump_config
     from peagle_ray.export.speculators import provenance
     from peagle_ray.tracking import log_files, register_model
@@ -256,5 +260,6 @@ def _log_artifacts(uri: str, run_id: str, cfg: PeagleConfig, run_dir: Path, expo
     (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=2))
     plot = acceptance_plot(metrics, run_dir / "acceptance.png", f"{cfg.drafter.algorithm}: validation acceptance")
     log_files(uri, run_id, [run_dir / "config.yaml", run_dir / "provenance.json", plot], dirs={"drafter": export_dir})
-    if cfg.tracking.registered_model:
-        register_model(uri, run_id, cfg.tracking.registered_model, "drafter")
+    if not cfg.tracking.registered_model:
+        return None
+    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter")

@@ -1,0 +1,205 @@
+"""`peagle-ray adapt`: the served drafter learns the endpoint's recorded traffic; a better version is promoted
+and swapped into the running endpoint.
+
+    recorded traffic (serving.record_dir)
+      -> data: traffic:DIR, split by request (adapt.validation_fraction held out), no regeneration
+      -> parent: the registered version holding adapt.alias ("serving"), downloaded from MLflow
+      -> train: training.init_from = parent (its draft vocabulary kept), adapt.max_steps, capture online
+         through the Serve-hosted target; registered as a new version (tags: parent, measurements)
+      -> judge: stock vLLM, target alone / parent / new at the served K, on the held-out traffic and on
+         adapt.general_suite (forgetting)
+      -> promote when held-out AL gains >= adapt.min_gain and the suite's AL loses <= adapt.max_regression:
+         the alias moves; with adapt.swap, the endpoint on this cluster rolls onto the new drafter.
+
+e.g. held-out AL parent 1.20 -> new 1.65 (gain 0.45 >= 0.05), MT-Bench 1.18 -> 1.17 (loss 0.01 <= 0.02):
+promoted. Everything lands in <storage>/adapt/<time>/adapt.json and the adaptation's MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from peagle_ray.config import ConfigError, PeagleConfig, with_values
+
+TRAFFIC = "traffic"  # the held-out traffic's category in the judging run
+
+
+def traffic_source(cfg: PeagleConfig) -> str:
+    """traffic:DIR for adapt.traffic_dir, else serving.record_dir; refused when neither is set."""
+    directory = cfg.adapt.traffic_dir or cfg.serving.record_dir
+    if directory is None:
+        raise ConfigError(
+            "adapt needs recorded traffic: set serving.record_dir (where the endpoint records) or "
+            "adapt.traffic_dir; got neither"
+        )
+    return f"traffic:{Path(directory).resolve()}"
+
+
+def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, uri: str) -> PeagleConfig:
+    """The training config of one adaptation: the traffic as data, the parent as the starting point."""
+    return with_values(
+        cfg,
+        {
+            "data.sources": [source],
+            "data.regenerate": False,  # the recorded outputs are the target's own
+            "data.validation_fraction": cfg.adapt.validation_fraction,
+            "data.output_dir": str(work / "data"),
+            "capture.mode": "online",
+            "training.init_from": str(parent_dir),
+            "training.max_steps": cfg.adapt.max_steps,
+            "training.run_name": f"{cfg.training.run_name}-adapt-{work.name}",
+            "tracking.tracking_uri": uri,
+        },
+    )
+
+
+def decide(cfg: PeagleConfig, parent: dict, child: dict) -> dict:
+    """Promote or not, from {"heldout": row, "general": row} of each version (rows as eval's "overall").
+
+    e.g. heldout AL 1.20 -> 1.65 and general 1.18 -> 1.17 with min_gain 0.05, max_regression 0.02 ->
+    {"gain": 0.45, "regression": 0.01, "promote": True, "why": "..."}."""
+    gain = child["heldout"]["acceptance_length"] - parent["heldout"]["acceptance_length"]
+    regression = parent["general"]["acceptance_length"] - child["general"]["acceptance_length"]
+    mismatches = child["heldout"]["greedy_mismatches"] + child["general"]["greedy_mismatches"]
+    reasons = []
+    if gain < cfg.adapt.min_gain:
+        reasons.append(f"held-out AL gain {gain:+.3f} < adapt.min_gain {cfg.adapt.min_gain}")
+    if regression > cfg.adapt.max_regression:
+        reasons.append(
+            f"{cfg.adapt.general_suite} AL loss {regression:.3f} > adapt.max_regression {cfg.adapt.max_regression}"
+        )
+    if mismatches and cfg.target.dtype == "float32":
+        reasons.append(f"{mismatches} greedy outputs differ from the target's (float32 must be lossless)")
+    return {
+        "gain": round(gain, 4),
+        "regression": round(regression, 4),
+        "promote": not reasons,
+        "why": "; ".join(reasons) or "held-out gain and general-suite loss within bounds",
+    }
+
+
+def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: int) -> dict:
+    """{name: {"heldout": row, "general": row}} for each drafter, from one target-alone run and one run per
+    drafter over the held-out traffic and the general suite together (stock vLLM, the served K)."""
+    from peagle_ray.eval.sweep import eval_prompts, run_engine, summarize
+    from peagle_ray.export.speculators import read_drafter, speculative_config
+    from peagle_ray.target import resolve_target_path
+
+    target = resolve_target_path(cfg)
+    heldout = eval_prompts(with_values(acfg, {"eval.suite": "validation", "eval.prompts_per_category": 10**6}), target)
+    general = eval_prompts(with_values(cfg, {"eval.suite": cfg.adapt.general_suite}), target)
+    prompts = {TRAFFIC: [p for ps in heldout.values() for p in ps], **{f"general/{c}": p for c, p in general.items()}}
+    print(f"[adapt] judging on {len(prompts[TRAFFIC])} held-out requests and {cfg.adapt.general_suite}: target alone")
+    baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
+    out = {}
+    for name, directory in drafters.items():
+        print(f"[adapt] judging: {name} drafter at K = {k}", flush=True)
+        run = run_engine(cfg, target, speculative_config(read_drafter(directory), k), prompts, cfg.eval.timing_prompts)
+        out[name] = {
+            "heldout": summarize(k, *(_only(r, lambda c: c == TRAFFIC) for r in (baseline, run)))["overall"],
+            "general": summarize(k, *(_only(r, lambda c: c != TRAFFIC) for r in (baseline, run)))["overall"],
+        }
+    return out
+
+
+def _only(run: dict, keep) -> dict:
+    """An engine run's results restricted to the categories `keep` accepts."""
+    return {part: {c: v for c, v in run[part].items() if keep(c)} for part in ("acceptance", "timing")}
+
+
+def run_adapt(cfg: PeagleConfig) -> dict:
+    """One adaptation (module docstring); returns the report also written to adapt.json."""
+    from peagle_ray.capture.run import run_prepare
+    from peagle_ray.cluster import ensure_ray
+    from peagle_ray.data.sources import check_sources
+    from peagle_ray.eval.sweep import set_drafter_k
+    from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.train.job import run_training
+    from peagle_ray.tracking import aliased_version, download_version, tracking_uri
+
+    name = cfg.tracking.registered_model
+    if not name:
+        raise ConfigError("adapt starts from a registered drafter: tracking.registered_model must be set; got None")
+    source = traffic_source(cfg)
+    check_sources([source])
+    storage = Path(cfg.training.storage_path).resolve()
+    work = storage / "adapt" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"  # one per adaptation
+    ensure_ray()
+    with tracking_uri(cfg, storage / "mlflow") as uri:
+        parent = aliased_version(uri, name, cfg.adapt.alias)
+        if parent is None:
+            raise ConfigError(
+                f"no version of registered model {name!r} has the alias {cfg.adapt.alias!r} (adapt.alias) in "
+                f"{uri}; train a drafter first (`peagle-ray train` registers it; its first version gets the alias)"
+            )
+        parent_dir = download_version(uri, name, parent["version"], work / "parent")
+        acfg = adapt_config(cfg, source, work, parent_dir, uri)
+        summary = run_prepare(acfg, None)
+        samples = summary["samples"]
+        if samples.get("train", 0) < cfg.adapt.min_requests or not samples.get("validation"):
+            raise ConfigError(
+                f"too little recorded traffic in {source[len('traffic:') :]}: {samples.get('train', 0)} training "
+                f"and {samples.get('validation', 0)} held-out samples; adapt.min_requests is "
+                f"{cfg.adapt.min_requests} and at least one must be held out (bad rows: {summary['bad_rows']})"
+            )
+        print(f"[adapt] from {name} v{parent['version']} on {samples} recorded samples", flush=True)
+        trained = run_training(acfg)
+        k = cfg.serving.num_speculative_tokens or read_drafter(parent_dir).num_speculative_tokens
+        new_dir = Path(trained["export_dir"])
+        set_drafter_k(new_dir, k)  # served at the K the parent is served at
+        measured = judge(cfg, acfg, {"parent": parent_dir, "new": new_dir}, k)
+        verdict = decide(cfg, measured["parent"], measured["new"])
+        report = {
+            "registered_model": name,
+            "parent_version": parent["version"],
+            "version": trained["registered_version"],
+            "k": k,
+            "samples": samples,
+            "train_steps": cfg.adapt.max_steps,
+            "measured": measured,
+            **verdict,
+            "export_dir": trained["export_dir"],
+            "run_id": trained["run_id"],
+        }
+        _record(uri, cfg, report)
+        report["swapped"] = _promote(uri, cfg, report, (parent_dir, f"{name}/{parent['version']}"))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "adapt.json").write_text(json.dumps(report, indent=2))
+    report["json"] = str(work / "adapt.json")
+    print(f"[adapt] v{report['version']}: {report['why']}; promoted: {report['promote']}", flush=True)
+    return report
+
+
+def _record(uri: str, cfg: PeagleConfig, report: dict) -> None:
+    """The measurements as metrics of the adaptation's run and as tags of the new version."""
+    from peagle_ray.tracking import log_metrics, set_version_tags
+
+    rows = {
+        f"adapt/{part}_al{suffix}": report["measured"][who][part]["acceptance_length"]
+        for part in ("heldout", "general")
+        for who, suffix in (("parent", "_parent"), ("new", ""))
+    }
+    rows.update({"adapt/gain": report["gain"], "adapt/promoted": float(report["promote"])})
+    log_metrics(uri, report["run_id"], [(key, value, 0) for key, value in rows.items()])
+    if report["version"] is not None:
+        tags = {"parent_version": report["parent_version"], "promoted": report["promote"], "why": report["why"]}
+        set_version_tags(uri, cfg.tracking.registered_model, report["version"], {**tags, **rows})
+
+
+def _promote(uri: str, cfg: PeagleConfig, report: dict, previous: tuple[Path, str]) -> bool:
+    """Move the alias to the new version and swap it into a running endpoint; True when swapped."""
+    from peagle_ray.serve.app import endpoint_running, swap_drafter
+    from peagle_ray.tracking import set_alias
+
+    if not report["promote"] or report["version"] is None:
+        return False
+    name = cfg.tracking.registered_model
+    set_alias(uri, name, cfg.adapt.alias, report["version"])
+    if not (cfg.adapt.swap and endpoint_running()):
+        return False
+    swap_drafter(cfg, Path(report["export_dir"]), f"{name}/{report['version']}", previous)
+    print(f"[adapt] the endpoint now serves {name}/{report['version']}", flush=True)
+    return True

@@ -1,0 +1,177 @@
+"""The adaptation loop end to end on the tiny target: the endpoint records its traffic, `adapt` fine-tunes
+the registered drafter on it, judges both versions with stock vLLM, registers and promotes the new one and
+swaps it into the running endpoint while requests keep flowing. Real Ray Serve, vLLM, Ray Train, MLflow."""
+
+import threading
+import time
+
+import openai
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from peagle_ray.adapt import decide, run_adapt
+from peagle_ray.config import ConfigError, build_config, with_values
+from peagle_ray.drafter.build import drafter_for_target
+from peagle_ray.export.speculators import export_drafter, read_drafter
+from peagle_ray.serve.app import free_port, start_endpoint, stop_endpoint
+from peagle_ray.tracking import find_or_create_run, log_files, register_model
+from tests.test_serve import hf_greedy
+
+K = 3
+WORKLOAD = [  # a narrow workload: every prompt comes back several times (a held-out request repeats one)
+    "def parse_config(path):",
+    "SELECT name FROM users WHERE",
+    "import numpy as np\n",
+    "class Stack:\n    def push(self, x):",
+    "The capital of France is",
+    "for i in range(10):",
+    "git commit -m",
+    "Dear customer, thank you for",
+]
+REPEATS = 3
+TOKENS = 16
+
+
+def adapt_cfg(tmp, tiny_target, **adapt):
+    return build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "drafter": {"num_depths": K, "draft_vocab_size": 400},
+            "training": {
+                "num_workers": 1,
+                "learning_rate": 3e-3,
+                "warmup_steps": 10,
+                "sequences_per_step": 4,
+                "segment_length": 64,
+                "validate_every": 1000,
+                "epochs": 1000,
+                "storage_path": str(tmp / "train"),
+                "run_name": "served",
+            },
+            "serving": {"port": free_port(), "record_dir": str(tmp / "traffic")},
+            "eval": {"prompts_per_category": 1, "timing_prompts": 1, "max_new_tokens": TOKENS},
+            "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+            "adapt": {"max_steps": 120, "min_requests": 8, **adapt},
+        }
+    )
+
+
+def register_parent(cfg, tiny_target, tmp) -> None:
+    """A random (untrained) drafter registered as version 1, which takes the `serving` alias."""
+    drafter, _, _ = drafter_for_target(
+        tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0)
+    )
+    export = export_drafter(drafter, tmp / "parent-export", tiny_target, [2, 3, 5], K)
+    uri = cfg.tracking.tracking_uri
+    run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": "served"}), tmp / "mlflow")
+    log_files(uri, run_id, [], dirs={"drafter": export})
+    assert register_model(uri, run_id, cfg.tracking.registered_model, "drafter") == "1"
+
+
+def test_promotion_rule():
+    cfg = build_config({"adapt": {"min_gain": 0.05, "max_regression": 0.02}})
+
+    def row(al, wrong=0):
+        return {"acceptance_length": al, "greedy_mismatches": wrong}
+
+    parent = {"heldout": row(1.2), "general": row(1.18)}
+    assert decide(cfg, parent, {"heldout": row(1.65), "general": row(1.17)}) == {
+        "gain": 0.45,
+        "regression": 0.01,
+        "promote": True,
+        "why": "held-out gain and general-suite loss within bounds",
+    }
+    held = decide(cfg, parent, {"heldout": row(1.22), "general": row(1.1)})
+    assert not held["promote"] and "gain +0.020 < adapt.min_gain 0.05" in held["why"]
+    assert "mt-bench AL loss 0.080 > adapt.max_regression 0.02" in held["why"]
+    assert "greedy outputs differ" in decide(cfg, parent, {"heldout": row(2), "general": row(1.2, 1)})["why"]
+
+
+def test_adapt_refuses_without_a_recording(tmp_path):
+    with pytest.raises(ConfigError, match="set serving.record_dir .* or adapt.traffic_dir; got neither"):
+        run_adapt(build_config({}))
+    with pytest.raises(ConfigError, match="tracking.registered_model must be set"):
+        run_adapt(build_config({"serving": {"record_dir": str(tmp_path)}, "tracking": {"registered_model": None}}))
+    with pytest.raises(FileNotFoundError, match="holds no recorded traffic"):
+        run_adapt(build_config({"serving": {"record_dir": str(tmp_path)}}))
+
+
+class Traffic:
+    """Requests sent one after another from a thread until stopped; each outcome kept."""
+
+    def __init__(self, url, model, expected: dict[str, list[int]], pause_s: float = 0.0):
+        self.api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.model, self.expected, self.pause_s = model, expected, pause_s
+        self.ok, self.failed, self.mismatched = 0, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        i = 0
+        while not self._stop.wait(self.pause_s):
+            prompt = WORKLOAD[i % len(WORKLOAD)]
+            i += 1
+            try:
+                out = self.api.completions.create(
+                    model=self.model,
+                    prompt=prompt,
+                    max_tokens=TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
+            except Exception as err:  # noqa: BLE001 - every failure is the finding
+                self.failed.append(repr(err)[:300])
+                continue
+            self.ok += 1
+            if out.choices[0].token_ids != self.expected[prompt]:
+                self.mismatched.append(prompt)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(180)
+
+
+def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_local):
+    from transformers import AutoTokenizer
+
+    cfg = adapt_cfg(tmp_path, tiny_target)
+    (tmp_path / "traffic").mkdir()
+    with pytest.raises(ConfigError, match="no version of registered model 'peagle-drafter' has the alias 'serving'"):
+        (tmp_path / "traffic" / "traffic-0.jsonl").write_text('{"schema": "peagle-traffic/1"}\n')
+        run_adapt(cfg)
+    register_parent(cfg, tiny_target, tmp_path)
+    parent_dir = tmp_path / "parent-export"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    expected = {p: hf_greedy(tiny_target, tokenizer(p)["input_ids"], TOKENS) for p in WORKLOAD}
+    served = with_values(cfg, {"serving.drafter_version": "peagle-drafter/1"})
+    url = start_endpoint(served, tiny_target, read_drafter(parent_dir))
+    model = tiny_target.name
+    try:
+        with Traffic(url, model, expected) as recorded:  # the workload, recorded by the endpoint
+            while recorded.ok < len(WORKLOAD) * REPEATS:
+                time.sleep(0.2)
+        assert not recorded.failed and not recorded.mismatched
+        with pytest.raises(ConfigError, match="too little recorded traffic"):
+            run_adapt(with_values(cfg, {"adapt.min_requests": 10_000}))
+        with Traffic(url, model, expected, pause_s=1.0) as during:  # paced: 2 cores also train and judge
+            report = run_adapt(cfg)
+        stats = openai.OpenAI(base_url=f"{url}/v1", api_key="none").get("/speculative_stats", cast_to=object)
+    finally:
+        stop_endpoint()
+    print(report)
+    heldout = {who: report["measured"][who]["heldout"] for who in ("parent", "new")}
+    assert report["parent_version"] == "1" and report["version"] == "2" and report["k"] == K
+    assert heldout["new"]["acceptance_length"] >= heldout["parent"]["acceptance_length"] + 0.5, heldout
+    assert report["promote"] and report["swapped"], report["why"]
+    assert all(report["measured"][w][p]["greedy_mismatches"] == 0 for w in heldout for p in ("heldout", "general"))
+    assert during.ok > 0 and during.failed == [] and during.mismatched == []  # nothing dropped in the swap
+    assert stats["version"] == "peagle-drafter/2" and stats["drafter"] == report["export_dir"]
+    client = MlflowClient(cfg.tracking.tracking_uri)
+    version = client.get_model_version_by_alias("peagle-drafter", "serving")
+    assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"
+    assert float(version.tags["adapt/heldout_al"]) == pytest.approx(heldout["new"]["acceptance_length"])

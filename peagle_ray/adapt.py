@@ -203,3 +203,40 @@ def _promote(uri: str, cfg: PeagleConfig, report: dict, previous: tuple[Path, st
     swap_drafter(cfg, Path(report["export_dir"]), f"{name}/{report['version']}", previous)
     print(f"[adapt] the endpoint now serves {name}/{report['version']}", flush=True)
     return True
+
+
+# ---- continuous mode: `peagle-ray serve --adapt-every MINUTES` ----------------------------------------------
+
+
+def adapt_cycle(cfg: PeagleConfig) -> dict | None:
+    """One round of the continuous loop: run_adapt's report, or None when this round had nothing to do (too
+    little traffic yet) or failed; the endpoint keeps serving either way and the next round tries again."""
+    try:
+        return run_adapt(cfg)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"[adapt] skipped this round: {err}", flush=True)
+    except Exception as err:  # noqa: BLE001 - a failed round must not stop the endpoint
+        print(f"[adapt] this round failed ({type(err).__name__}: {err}); the endpoint keeps serving", flush=True)
+    return None
+
+
+def serve_adapting(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None, every_minutes: float) -> None:
+    """Serve (recording traffic) and adapt every `every_minutes`: each round fine-tunes the version holding
+    adapt.alias on everything recorded so far and swaps in a promoted one. Ctrl-C / SIGTERM stop it."""
+    from ray import serve
+
+    from peagle_ray.serve.app import serve_forever, stop_endpoint
+
+    if cfg.serving.record_dir is None:
+        raise ConfigError("--adapt-every needs traffic to learn from: set serving.record_dir; got None")
+    if every_minutes <= 0:
+        raise ConfigError(f"--adapt-every must be a positive number of minutes; got {every_minutes}")
+    serve_forever(cfg, drafter_dir, k, detach=True)
+    print(f"[adapt] adapting to the recorded traffic every {every_minutes:g} min", flush=True)
+    try:
+        while True:
+            time.sleep(every_minutes * 60)
+            adapt_cycle(cfg)
+    finally:
+        stop_endpoint()
+        serve.shutdown()

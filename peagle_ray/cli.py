@@ -89,6 +89,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     drafter = None if args.no_drafter else (args.drafter or default_drafter_dir(cfg))
+    if args.adapt_every is not None:
+        from peagle_ray.adapt import serve_adapting
+
+        serve_adapting(cfg, drafter, args.num_speculative_tokens, args.adapt_every)
+        return 0
     serve_forever(cfg, drafter, args.num_speculative_tokens, args.detach)
     return 0
 
@@ -297,6 +302,13 @@ COMMANDS = [
                 "--detach",
                 action="store_true",
                 help="Return once deployed; the endpoint keeps running on the cluster (stop: `serve shutdown`).",
+            ),
+            arg(
+                "--adapt-every",
+                type=float,
+                metavar="MINUTES",
+                help="Continuous mode: record traffic (serving.record_dir) and run `peagle-ray adapt` every MINUTES "
+                "in this process; a promoted version is swapped in live, a round with too little traffic is skipped.",
             ),
         ),
         description="Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port "

@@ -2,19 +2,21 @@
 the registered drafter on it, judges both versions with stock vLLM, registers and promotes the new one and
 swaps it into the running endpoint while requests keep flowing. Real Ray Serve, vLLM, Ray Train, MLflow."""
 
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from peagle_ray.adapt import decide, run_adapt
+from peagle_ray.adapt import adapt_cycle, decide, run_adapt, serve_adapting
 from peagle_ray.config import ConfigError, build_config, with_values
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter, read_drafter
-from peagle_ray.serve.app import free_port, start_endpoint, stop_endpoint
+from peagle_ray.serve.app import free_port, start_endpoint, stop_endpoint, swap_drafter
 from peagle_ray.tracking import find_or_create_run, log_files, register_model
 from tests.test_serve import hf_greedy
 
@@ -88,6 +90,13 @@ def test_promotion_rule():
     assert "greedy outputs differ" in decide(cfg, parent, {"heldout": row(2), "general": row(1.2, 1)})["why"]
 
 
+def test_continuous_mode_needs_a_recording_and_a_period():
+    with pytest.raises(ConfigError, match="--adapt-every needs traffic to learn from: set serving.record_dir"):
+        serve_adapting(build_config({}), None, None, 5)
+    with pytest.raises(ConfigError, match="--adapt-every must be a positive number of minutes; got 0"):
+        serve_adapting(build_config({"serving": {"record_dir": "r"}}), None, None, 0)
+
+
 def test_adapt_refuses_without_a_recording(tmp_path):
     with pytest.raises(ConfigError, match="set serving.record_dir .* or adapt.traffic_dir; got neither"):
         run_adapt(build_config({}))
@@ -95,6 +104,10 @@ def test_adapt_refuses_without_a_recording(tmp_path):
         run_adapt(build_config({"serving": {"record_dir": str(tmp_path)}, "tracking": {"registered_model": None}}))
     with pytest.raises(FileNotFoundError, match="holds no recorded traffic"):
         run_adapt(build_config({"serving": {"record_dir": str(tmp_path)}}))
+
+
+def speculative_stats(url) -> dict:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none").get("/speculative_stats", cast_to=object)
 
 
 class Traffic:
@@ -160,9 +173,20 @@ def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_loc
             run_adapt(with_values(cfg, {"adapt.min_requests": 10_000}))
         with Traffic(url, model, expected, pause_s=1.0) as during:  # paced: 2 cores also train and judge
             report = run_adapt(cfg)
-        stats = openai.OpenAI(base_url=f"{url}/v1", api_key="none").get("/speculative_stats", cast_to=object)
+        stats = speculative_stats(url)
+        new_dir = Path(report["export_dir"])
+        broken = tmp_path / "broken"  # a drafter whose weights vLLM cannot load: its replica never starts
+        shutil.copytree(new_dir, broken)
+        (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+        with Traffic(url, model, expected, pause_s=1.0) as failing:
+            with pytest.raises(RuntimeError, match=f"{new_dir} keeps serving"):
+                swap_drafter(cfg, broken, "broken/0", (new_dir, "peagle-drafter/2"))
+        after_failure = speculative_stats(url)
+        skipped = adapt_cycle(with_values(cfg, {"adapt.min_requests": 10_000}))  # continuous mode's round
     finally:
         stop_endpoint()
+    assert failing.ok > 0 and failing.failed == [] and failing.mismatched == []
+    assert after_failure["version"] == "peagle-drafter/2" and skipped is None
     print(report)
     heldout = {who: report["measured"][who]["heldout"] for who in ("parent", "new")}
     assert report["parent_version"] == "1" and report["version"] == "2" and report["k"] == K

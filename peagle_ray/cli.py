@@ -147,7 +147,8 @@ def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict
     from peagle_ray.eval.sweep import default_drafters
 
     drafters = default_drafters(cfg)
-    drafters.update({a: d for a, d in (("peagle", args.peagle), ("eagle3", args.eagle3)) if d is not None})
+    given = {a: getattr(args, a, None) for a in ("peagle", "eagle3")}  # a command may offer one of them
+    drafters.update({a: d for a, d in given.items() if d is not None})
     if not drafters:
         raise FileNotFoundError(
             f"no drafter to {purpose}: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR"
@@ -444,6 +445,24 @@ BENCHES = {
             arg("--max-tokens", type=int),
         ),
         ("cfg",),
+    ),
+    "adapt": Bench(
+        "adapt",
+        "run",
+        "Per workload: record its train split at the endpoint, adapt, then measure its held-out split with stock "
+        "vLLM: target alone, un-adapted and adapted drafter, n-gram and suffix decoding; AL against adaptation "
+        "minutes; the issue's goals.",
+        ("workloads", "train_prompts", "heldout_prompts", "max_tokens", "steps"),
+        (
+            DRAFTER_ARGS[0],
+            arg("--workloads", nargs="+", help="humaneval and/or sharegpt-WORD (e.g. sharegpt-email)."),
+            arg("--train-prompts", type=int, help="Train-split prompts sent to the endpoint."),
+            arg("--heldout-prompts", type=int, help="Held-out prompts measured."),
+            arg("--max-tokens", type=int, help="Tokens per request (recording and measurement)."),
+            arg("--steps", type=int, help="Adaptation steps (adapt.max_steps)."),
+        ),
+        ("cfg", "drafters", "progress"),
+        tracked=True,
     ),
     "ablation": Bench(
         "learning",

@@ -187,6 +187,16 @@ def metric_history(uri: str, run_id: str, name: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, name))
 
 
+def metric_times(uri: str, run_id: str, name: str) -> list[tuple[int, float, float]]:
+    """(step, value, seconds since the run started) of a metric, by step."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    start = client.get_run(run_id).info.start_time
+    history = client.get_metric_history(run_id, name)
+    return sorted((m.step, m.value, (m.timestamp - start) / 1000) for m in history)
+
+
 def log_metrics(uri: str, run_id: str, metrics: list[tuple[str, float, int]]) -> None:
     """(name, value, step) triples in batches (MLflow caps a batch at 1000); NaN and infinities are left out."""
     import math
@@ -298,6 +308,16 @@ def register_model(uri: str, run_id: str, name: str, artifact_path: str, tags: d
 
 
 SERVING_ALIAS = "serving"
+
+
+def register_export(uri: str, cfg: PeagleConfig, run_name: str, export: Path, work_dir: Path) -> str:
+    """An exported drafter registered as a new version of tracking.registered_model, from a run named
+    run_name that holds it as the artifact `drafter`; returns the version."""
+    from peagle_ray.config import with_values
+
+    run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": run_name}), work_dir)
+    log_files(uri, run_id, [], dirs={"drafter": export})
+    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter")
 
 
 def aliased_version(uri: str, name: str, alias: str) -> dict | None:

@@ -17,7 +17,7 @@ from peagle_ray.config import ConfigError, build_config, with_values
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter, read_drafter
 from peagle_ray.serve.app import free_port, start_endpoint, stop_endpoint, swap_drafter
-from peagle_ray.tracking import find_or_create_run, log_files, register_model
+from peagle_ray.tracking import register_export
 from tests.test_serve import hf_greedy
 
 K = 3
@@ -65,10 +65,7 @@ def register_parent(cfg, tiny_target, tmp) -> None:
         tiny_target, cfg.drafter, torch.arange(516.0), 3, torch.Generator().manual_seed(0)
     )
     export = export_drafter(drafter, tmp / "parent-export", tiny_target, [2, 3, 5], K)
-    uri = cfg.tracking.tracking_uri
-    run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": "served"}), tmp / "mlflow")
-    log_files(uri, run_id, [], dirs={"drafter": export})
-    assert register_model(uri, run_id, cfg.tracking.registered_model, "drafter") == "1"
+    assert register_export(cfg.tracking.tracking_uri, cfg, "served", export, tmp / "mlflow") == "1"
 
 
 def test_promotion_rule():
@@ -111,7 +108,9 @@ def speculative_stats(url) -> dict:
 
 
 class Traffic:
-    """Requests sent one after another from a thread until stopped; each outcome kept."""
+    """Requests sent one after another from a thread until stopped, pause_s apart; each outcome kept. Paced
+    traffic leaves the 2 cores to training and judging: vLLM's engine busy-polls for 1 s after each step
+    (shm_broadcast busy_loop_s), so a request every second would keep a core spinning."""
 
     def __init__(self, url, model, expected: dict[str, list[int]], pause_s: float = 0.0):
         self.api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -171,14 +170,14 @@ def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_loc
         assert not recorded.failed and not recorded.mismatched
         with pytest.raises(ConfigError, match="too little recorded traffic"):
             run_adapt(with_values(cfg, {"adapt.min_requests": 10_000}))
-        with Traffic(url, model, expected, pause_s=1.0) as during:  # paced: 2 cores also train and judge
+        with Traffic(url, model, expected, pause_s=3.0) as during:  # paced (see Traffic)
             report = run_adapt(cfg)
         stats = speculative_stats(url)
         new_dir = Path(report["export_dir"])
         broken = tmp_path / "broken"  # a drafter whose weights vLLM cannot load: its replica never starts
         shutil.copytree(new_dir, broken)
         (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-        with Traffic(url, model, expected, pause_s=1.0) as failing:
+        with Traffic(url, model, expected, pause_s=3.0) as failing:
             with pytest.raises(RuntimeError, match=f"{new_dir} keeps serving"):
                 swap_drafter(cfg, broken, "broken/0", (new_dir, "peagle-drafter/2"))
         after_failure = speculative_stats(url)

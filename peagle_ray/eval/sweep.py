@@ -94,7 +94,9 @@ def run_engine(
     spec_config: dict | None,
     prompts: dict[str, list[list[int]]],
     timing_prompts: int,
+    warmup: list[list[int]] | None = None,
 ) -> dict:
+    """One engine (eval/vllm_run.py) over `prompts`; `warmup` prompts are generated first, unmeasured."""
     import torch
 
     spec = {
@@ -102,6 +104,7 @@ def run_engine(
         "max_new_tokens": cfg.eval.max_new_tokens,
         "acceptance": prompts,
         "timing": {c: p[:timing_prompts] for c, p in prompts.items()},
+        "warmup": warmup or [],
     }
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"

@@ -4,7 +4,8 @@ process per configuration keeps timings independent):
     python -m peagle_ray.eval.vllm_run SPEC.json OUT.json
 
 SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_tokens",
-       "acceptance": {category: [prompt ids, ...]}, "timing": {category: [prompt ids, ...]}}
+       "acceptance": {category: [prompt ids, ...]}, "timing": {category: [prompt ids, ...]},
+       "warmup": [prompt ids, ...] (optional: generated first, e.g. to fill suffix decoding's response cache)}
 OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
        "timing": {category: {"tokens": n, "seconds": s, "counters": {...}}}, "engine_start_s": s}
 
@@ -32,6 +33,8 @@ def run(spec: dict) -> dict:
     llm = LLM(**spec["engine_args"])
     out = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
     sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+    if spec.get("warmup"):
+        llm.generate([{"prompt_token_ids": p} for p in spec["warmup"]], sampling, use_tqdm=False)
     stats = lambda: SpecStats.from_counters(counters_from_snapshot(llm.get_metrics()))  # noqa: E731
     for category, prompts in spec["acceptance"].items():
         before = stats()

@@ -1,0 +1,246 @@
+"""`peagle-ray bench adapt`: does adapting the served drafter to a workload pay, against what a user would
+pick instead? One run per workload, every figure from one machine and one run:
+
+  1. split the workload's prompts by prompt id (train / held-out; held-out prompts never reach the endpoint);
+  2. serve the un-adapted drafter (registered as version 1 in the bench's own MLflow store) with recording
+     on, and send the train split as an OpenAI client would: batch 1, the endpoint's default sampling;
+  3. `adapt` on that recording (adapt.max_steps, validation every training.validate_every steps: the curve
+     of offline held-out AL against adaptation minutes comes from those validations' MLflow timestamps);
+  4. measure the held-out split with stock vLLM at the served K, greedy, batch 1 timing: the target alone,
+     the un-adapted and the adapted drafter, vLLM's n-gram drafter (prompt lookup, no training) and suffix
+     decoding (`method: suffix`, training-free; its response cache is fed the train split first; needs the
+     `arctic-inference` package, else reported as not installed).
+
+Workloads (each a real task family, not a benchmark's mix):
+  humaneval        code completion: HumanEval's 164 function stubs as user turns (the `data` extra).
+  sharegpt-WORD    one task family from real chat traffic: ShareGPT first turns containing WORD (e.g.
+                   sharegpt-email: "write an email ..."), prose with shared structure.
+
+Goals (issue 21; ratios within the run): held-out AL >= 2.0, >= 1.5x the target alone, >= 1.3x the
+un-adapted drafter, ahead of suffix decoding; general-suite AL at most 0.02 below the un-adapted drafter
+(adapt's own judge); 0 greedy mismatches.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+from peagle_ray.config import ConfigError, PeagleConfig, with_values
+
+GOALS = {"acceptance_length": 2.0, "speedup": 1.5, "vs_unadapted": 1.3, "general_drop": 0.02}
+
+
+def workload_prompts(name: str) -> list:
+    """The workload's prompts (data.public.EvalPrompt), in a stable order."""
+    from peagle_ray.data.prepare import BadRows
+    from peagle_ray.data.public import EvalPrompt, humaneval_prompts, sharegpt_conversations
+
+    if name == "humaneval":
+        return humaneval_prompts()
+    if name.startswith("sharegpt-") and len(name) > len("sharegpt-"):
+        word = re.compile(rf"\b{re.escape(name.split('-', 1)[1])}\b", re.IGNORECASE)
+        out = []
+        for c in sharegpt_conversations(None, 0, 0.0, BadRows()):
+            user = next(m["content"] for m in c.messages if m["role"] == "user")
+            if word.search(user) and len(user) < 2000:
+                out.append(EvalPrompt(c.sample_id, name, [{"role": "user", "content": user}]))
+        return out
+    raise ConfigError(f"workload must be 'humaneval' or 'sharegpt-WORD' (e.g. sharegpt-email); got {name!r}")
+
+
+def split_prompts(prompts: list, heldout_fraction: float, train_count: int, heldout_count: int):
+    """(train, held-out) by a stable hash of each prompt's id (data.prepare.split_of), capped at the counts."""
+    from peagle_ray.data.prepare import split_of
+
+    train = [p for p in prompts if split_of(p.prompt_id, heldout_fraction) == "train"]
+    heldout = [p for p in prompts if split_of(p.prompt_id, heldout_fraction) == "validation"]
+    return train[:train_count], heldout[:heldout_count]
+
+
+def run(
+    cfg: PeagleConfig,
+    drafters: dict[str, Path],
+    workloads: tuple[str, ...] = ("humaneval", "sharegpt-email"),
+    train_prompts: int = 96,
+    heldout_prompts: int = 24,
+    max_tokens: int = 128,
+    steps: int = 200,
+    progress=print,
+) -> dict:
+    """{"workloads": {name: result}, "goals": {name: {...}}} (module docstring)."""
+    if "peagle" not in drafters:
+        raise ConfigError("bench adapt starts from a P-EAGLE drafter: pass --peagle DIR or train one first")
+    out = {"drafter": str(drafters["peagle"]), "max_tokens": max_tokens, "steps": steps, "workloads": {}}
+    for name in workloads:
+        progress(f"[bench adapt] {name}")
+        out["workloads"][name] = workload_run(
+            cfg, drafters["peagle"], name, train_prompts, heldout_prompts, max_tokens, steps, progress
+        )
+    out["goals"] = {name: goals(r) for name, r in out["workloads"].items()}
+    return out
+
+
+def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, steps, progress) -> dict:
+    from peagle_ray.adapt import run_adapt
+    from peagle_ray.bench.learning import bench_dir
+    from peagle_ray.serve.app import free_port
+    from peagle_ray.tracking import metric_times, register_export
+
+    train, heldout = split_prompts(workload_prompts(name), 0.3, train_count, heldout_count)
+    work = bench_dir(cfg, "adapt") / name
+    shutil.rmtree(work, ignore_errors=True)  # the bench's own store: every run starts from version 1
+    uri = f"sqlite:///{(work / 'mlflow.db').resolve()}"
+    work.mkdir(parents=True)
+    wcfg = with_values(
+        cfg,
+        {
+            "serving.record_dir": str(work / "traffic"),
+            "serving.port": free_port(),
+            "training.storage_path": str(work / "train"),
+            "tracking.tracking_uri": uri,
+            "adapt.max_steps": steps,
+            "adapt.swap": False,
+            "adapt.min_requests": 1,
+            "eval.max_new_tokens": max_tokens,
+        },
+    )
+    register_export(uri, wcfg, "unadapted", base, work / "mlflow")
+    recorded = record_traffic(wcfg, base, train, max_tokens)
+    progress(f"[bench adapt] {name}: {recorded['requests']} requests recorded in {recorded['seconds']:.0f} s")
+    started = time.monotonic()
+    report = run_adapt(wcfg)
+    minutes = (time.monotonic() - started) / 60
+    curve = [
+        {"step": step, "minutes": round(seconds / 60, 2), "acceptance_length": round(al, 4)}
+        for step, al, seconds in metric_times(uri, report["run_id"], "val/acceptance_length")
+    ]
+    measured = measure(wcfg, report, base, train, heldout)
+    return {
+        "train_prompts": len(train),
+        "heldout_prompts": len(heldout),
+        "recording": recorded,
+        "adaptation_minutes": round(minutes, 2),
+        "adapt": {k: report[k] for k in ("version", "k", "samples", "gain", "regression", "promote", "why")},
+        "general": {who: report["measured"][who]["general"] for who in ("parent", "new")},
+        "curve": curve,
+        "heldout": measured,
+    }
+
+
+def record_traffic(cfg: PeagleConfig, base: Path, prompts: list, max_tokens: int) -> dict:
+    """The train split through the recording endpoint, one request at a time, the endpoint's default sampling."""
+    import openai
+
+    from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.serve.app import start_endpoint, stop_endpoint
+    from peagle_ray.target import resolve_target_path
+
+    target = resolve_target_path(cfg)
+    versioned = with_values(cfg, {"serving.drafter_version": f"{cfg.tracking.registered_model}/1"})
+    url = start_endpoint(versioned, target, read_drafter(base))
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key=cfg.serving.api_token or "none", max_retries=0, timeout=600)
+    failed, started = 0, time.monotonic()
+    try:
+        for prompt in prompts:
+            try:
+                api.chat.completions.create(model=target.name, messages=prompt.messages, max_tokens=max_tokens)
+            except openai.OpenAIError:
+                failed += 1
+    finally:
+        stop_endpoint()
+    return {"requests": len(prompts), "failed": failed, "seconds": round(time.monotonic() - started, 1)}
+
+
+def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: list) -> dict:
+    """Held-out rows (eval's "overall" shape) per decoder, all at the served K, in one run."""
+    from transformers import AutoTokenizer
+
+    from peagle_ray.data.prepare import render
+    from peagle_ray.eval.sweep import run_engine, summarize
+    from peagle_ray.export.speculators import read_drafter, speculative_config
+    from peagle_ray.target import resolve_target_path
+
+    target = resolve_target_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    ids = lambda ps: [render(tokenizer, p.messages, add_generation_prompt=True) for p in ps]  # noqa: E731
+    prompts, warm = {"heldout": ids(heldout)}, ids(train)
+    k = report["k"]
+    decoders = {
+        "unadapted": (speculative_config(read_drafter(base), k), None),
+        "adapted": (speculative_config(read_drafter(Path(report["export_dir"])), k), None),
+        "ngram": (
+            {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+            None,
+        ),
+        "suffix": ({"method": "suffix", "num_speculative_tokens": k}, warm),
+    }
+    baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
+    rows = {"target": summarize(0, baseline, baseline)["overall"]}
+    for name, (spec, warmup) in decoders.items():
+        if name == "suffix" and not suffix_available():
+            rows[name] = {"skipped": "vLLM's suffix decoding needs the arctic-inference package (not installed)"}
+            continue
+        rows[name] = summarize(k, baseline, run_engine(cfg, target, spec, prompts, cfg.eval.timing_prompts, warmup))[
+            "overall"
+        ]
+    unadapted = rows["unadapted"]["tokens_per_s"]
+    rows["adapted"]["speedup_vs_unadapted"] = (
+        round(rows["adapted"]["tokens_per_s"] / unadapted, 3) if unadapted else None
+    )
+    return rows
+
+
+def suffix_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("arctic_inference") is not None
+
+
+def goals(result: dict) -> dict:
+    """Each goal with the measured value and whether it is met (None where a comparison was not run)."""
+    rows = result["heldout"]
+    adapted = rows["adapted"]
+    suffix = rows.get("suffix", {})
+    drop = result["general"]["parent"]["acceptance_length"] - result["general"]["new"]["acceptance_length"]
+    checks = {
+        "acceptance_length": (adapted["acceptance_length"], adapted["acceptance_length"] >= GOALS["acceptance_length"]),
+        "speedup_vs_target": (adapted["speedup"], (adapted["speedup"] or 0) >= GOALS["speedup"]),
+        "speedup_vs_unadapted": (
+            adapted["speedup_vs_unadapted"],
+            (adapted["speedup_vs_unadapted"] or 0) >= GOALS["vs_unadapted"],
+        ),
+        "ahead_of_suffix": (
+            suffix.get("tokens_per_s"),
+            adapted["tokens_per_s"] > suffix["tokens_per_s"] if "tokens_per_s" in suffix else None,
+        ),
+        "general_al_drop": (round(drop, 4), drop <= GOALS["general_drop"]),
+        "greedy_mismatches": (adapted["greedy_mismatches"], adapted["greedy_mismatches"] == 0),
+    }
+    return {name: {"measured": value, "met": met} for name, (value, met) in checks.items()}
+
+
+def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:
+    """One run `bench-adapt-<workload>` per workload: the curve (bench-adapt/curve_* at step = training step),
+    the held-out rows (bench-adapt/<decoder>_<field>) and result.json; {workload: run id}."""
+    import json
+
+    from peagle_ray.bench.learning import bench_dir
+    from peagle_ray.tracking import log_rows, tracking_uri
+
+    work = bench_dir(cfg, "adapt")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "result.json").write_text(json.dumps(result, indent=2))
+    runs = {}
+    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+        for name, r in result["workloads"].items():
+            flat = {"step": 0}
+            for decoder, row in r["heldout"].items():
+                flat.update({f"{decoder}_{k}": v for k, v in row.items() if isinstance(v, (int, float, list))})
+            run = f"bench-adapt-{name}"
+            curve = [{"curve_" + k: v for k, v in point.items()} | {"step": point["step"]} for point in r["curve"]]
+            log_rows(uri, cfg, run, curve, "step", "bench-adapt", [], work)
+            runs[name] = log_rows(uri, cfg, run, [flat], "step", "bench-adapt", [work / "result.json"], work)
+    return runs

@@ -4,8 +4,10 @@ and swapped into the running endpoint.
     recorded traffic (serving.record_dir)
       -> data: traffic:DIR, split by request (adapt.validation_fraction held out), no regeneration
       -> parent: the registered version holding adapt.alias ("serving"), downloaded from MLflow
-      -> train: training.init_from = parent (its draft vocabulary kept), adapt.max_steps, capture online
-         through the Serve-hosted target; registered as a new version (tags: parent, measurements)
+      -> capture: the traffic's hidden states, once, through the Serve-hosted target (offline shards: a
+         small recording is trained on for many epochs, and streaming would capture it again each epoch)
+      -> train: training.init_from = parent (its draft vocabulary kept), adapt.max_steps; registered as a
+         new version (tags: parent, measurements)
       -> judge: stock vLLM, target alone / parent / new at the served K, on the held-out traffic and on
          adapt.general_suite (forgetting)
       -> promote when held-out AL gains >= adapt.min_gain and the suite's AL loses <= adapt.max_regression:
@@ -47,9 +49,11 @@ def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, u
             "data.regenerate": False,  # the recorded outputs are the target's own
             "data.validation_fraction": cfg.adapt.validation_fraction,
             "data.output_dir": str(work / "data"),
-            "capture.mode": "online",
+            "capture.mode": "offline",
+            "capture.output_dir": str(work / "hidden"),
             "training.init_from": str(parent_dir),
             "training.max_steps": cfg.adapt.max_steps,
+            "training.epochs": cfg.adapt.max_steps,  # a recording smaller than the budget is repeated
             "training.run_name": f"{cfg.training.run_name}-adapt-{work.name}",
             "tracking.tracking_uri": uri,
         },
@@ -112,7 +116,7 @@ def _only(run: dict, keep) -> dict:
 
 def run_adapt(cfg: PeagleConfig) -> dict:
     """One adaptation (module docstring); returns the report also written to adapt.json."""
-    from peagle_ray.capture.run import run_prepare
+    from peagle_ray.capture.run import prepare_and_capture
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.data.sources import check_sources
     from peagle_ray.eval.sweep import set_drafter_k
@@ -137,7 +141,7 @@ def run_adapt(cfg: PeagleConfig) -> dict:
             )
         parent_dir = download_version(uri, name, parent["version"], work / "parent")
         acfg = adapt_config(cfg, source, work, parent_dir, uri)
-        summary = run_prepare(acfg, None)
+        summary = prepare_and_capture(acfg, prepare=True, capture=False)["prepare"]
         samples = summary["samples"]
         if samples.get("train", 0) < cfg.adapt.min_requests or not samples.get("validation"):
             raise ConfigError(
@@ -146,6 +150,7 @@ def run_adapt(cfg: PeagleConfig) -> dict:
                 f"{cfg.adapt.min_requests} and at least one must be held out (bad rows: {summary['bad_rows']})"
             )
         print(f"[adapt] from {name} v{parent['version']} on {samples} recorded samples", flush=True)
+        prepare_and_capture(acfg, prepare=False, capture=True)
         trained = run_training(acfg)
         k = cfg.serving.num_speculative_tokens or read_drafter(parent_dir).num_speculative_tokens
         new_dir = Path(trained["export_dir"])

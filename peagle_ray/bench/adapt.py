@@ -86,6 +86,7 @@ def run(
 def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, steps, progress) -> dict:
     from peagle_ray.adapt import run_adapt
     from peagle_ray.bench.learning import bench_dir
+    from peagle_ray.cluster import ensure_ray
     from peagle_ray.serve.app import free_port
     from peagle_ray.tracking import metric_times, register_export
 
@@ -108,6 +109,7 @@ def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, 
         },
     )
     register_export(uri, wcfg, "unadapted", base, work / "mlflow")
+    ensure_ray()
     recorded = record_traffic(wcfg, base, train, max_tokens)
     progress(f"[bench adapt] {name}: {recorded['requests']} requests recorded in {recorded['seconds']:.0f} s")
     started = time.monotonic()

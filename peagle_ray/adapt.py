@@ -25,8 +25,7 @@ import uuid
 from pathlib import Path
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
-
-TRAFFIC = "traffic"  # the held-out traffic's category in the judging run
+from peagle_ray.data.traffic import CATEGORY as TRAFFIC
 
 
 def traffic_source(cfg: PeagleConfig) -> str:
@@ -45,7 +44,7 @@ def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, u
     return with_values(
         cfg,
         {
-            "data.sources": [source],
+            "data.sources": [source, *cfg.adapt.replay],
             "data.regenerate": False,  # the recorded outputs are the target's own
             "data.validation_fraction": cfg.adapt.validation_fraction,
             "data.output_dir": str(work / "data"),
@@ -95,7 +94,7 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
     target = resolve_target_path(cfg)
     heldout = eval_prompts(with_values(acfg, {"eval.suite": "validation", "eval.prompts_per_category": 10**6}), target)
     general = eval_prompts(with_values(cfg, {"eval.suite": cfg.adapt.general_suite}), target)
-    prompts = {TRAFFIC: [p for ps in heldout.values() for p in ps], **{f"general/{c}": p for c, p in general.items()}}
+    prompts = {TRAFFIC: heldout.get(TRAFFIC, []), **{f"general/{c}": p for c, p in general.items()}}
     print(f"[adapt] judging on {len(prompts[TRAFFIC])} held-out requests and {cfg.adapt.general_suite}: target alone")
     baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
     out = {}
@@ -142,7 +141,7 @@ def run_adapt(cfg: PeagleConfig) -> dict:
         parent_dir = download_version(uri, name, parent["version"], work / "parent")
         acfg = adapt_config(cfg, source, work, parent_dir, uri)
         summary = prepare_and_capture(acfg, prepare=True, capture=False)["prepare"]
-        samples = summary["samples"]
+        samples = summary["by_category"].get(TRAFFIC, {})  # adapt.replay's samples are not traffic
         if samples.get("train", 0) < cfg.adapt.min_requests or not samples.get("validation"):
             raise ConfigError(
                 f"too little recorded traffic in {source[len('traffic:') :]}: {samples.get('train', 0)} training "

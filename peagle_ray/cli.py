@@ -464,6 +464,31 @@ BENCHES = {
         ("cfg", "drafters", "progress"),
         tracked=True,
     ),
+    "adapt-ablation": Bench(
+        "adapt_ablation",
+        "run",
+        "Why an adaptation reaches the AL it does: variants (lr, frozen layers, replay of general data, less "
+        "traffic, no parent) trained from one adaptation's parent on its captured traffic, held-out traffic AL and "
+        "general AL (forgetting) at each budget, offline (greedy replay = vLLM's counters).",
+        ("adaptation", "variants", "budgets", "general_records"),
+        (
+            arg("--adaptation", type=Path, help="A directory `peagle-ray adapt` wrote (<storage>/adapt/<id>)."),
+            arg(
+                "--variant",
+                dest="variants",
+                nargs="+",
+                action="append",
+                metavar=("NAME", "OVERRIDE"),
+                help="A variant: its name, then overrides: SECTION.FIELD=VALUE, traffic=SHARE (of the recorded "
+                "training requests), replay=SHARE (general records in the mix); repeatable, the first is the "
+                "baseline; none given: peagle_ray.bench.adapt_ablation.VARIANTS",
+            ),
+            arg("--budgets", type=int, nargs="+", help="Steps to measure at (one run per variant to the largest)."),
+            arg("--general-records", type=int, help="General validation records replayed (forgetting)."),
+        ),
+        ("cfg", "progress"),
+        tracked=True,
+    ),
     "ablation": Bench(
         "learning",
         "ablation",

@@ -197,6 +197,11 @@ class DrafterConfig(_Section):
     """Keep the draft lm_head at its initial value, the target's lm_head rows of the draft vocabulary (as the
     speculators reference trainer does): DV x H fewer trained parameters and no head gradient GEMM."""
 
+    frozen: list[str] = Field(default_factory=list)
+    """Parameter-name prefixes kept at their initial (or training.init_from) values, e.g. ["embed_tokens", "fc"]
+    trains only the decoder layer, the norms and P-EAGLE's mask_hidden (adaptation on little traffic). Names as
+    in the exported model.safetensors; a prefix that names no parameter is refused."""
+
     @property
     def trained_depths(self) -> int:
         """Depths a training sequence samples: ttt_steps for EAGLE-3 when set, else num_depths."""
@@ -441,6 +446,10 @@ class AdaptConfig(_Section):
 
     max_steps: int = Field(default=100, gt=0)
     """Fine-tuning steps of one adaptation (training.* gives everything else: lr, sequences per step...)."""
+
+    replay: list[str] = Field(default_factory=list)
+    """General data mixed into each adaptation against forgetting, as data.sources entries (e.g.
+    ["sharegpt:32"]): captured with the traffic and trained on beside it; only the traffic is judged."""
 
     min_requests: int = Field(default=16, gt=0)
     """Fewest recorded training samples worth adapting on; fewer is refused with the count found."""

@@ -2,6 +2,7 @@
 the registered drafter on it, judges both versions with stock vLLM, registers and promotes the new one and
 swaps it into the running endpoint while requests keep flowing. Real Ray Serve, vLLM, Ray Train, MLflow."""
 
+import json
 import shutil
 import threading
 import time
@@ -151,7 +152,10 @@ class Traffic:
 def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_local):
     from transformers import AutoTokenizer
 
-    cfg = adapt_cfg(tmp_path, tiny_target)
+    general = tmp_path / "general.jsonl"  # adapt.replay: general data mixed in, never judged as traffic
+    rows = [[{"role": "user", "content": f"Tell me about {i}."}, {"role": "assistant", "content": f"{i} is {i}."}]]
+    general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows * 6))
+    cfg = adapt_cfg(tmp_path, tiny_target, replay=[str(general)])
     (tmp_path / "traffic").mkdir()
     with pytest.raises(ConfigError, match="no version of registered model 'peagle-drafter' has the alias 'serving'"):
         (tmp_path / "traffic" / "traffic-0.jsonl").write_text('{"schema": "peagle-traffic/1"}\n')
@@ -189,6 +193,8 @@ def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_loc
     print(report)
     heldout = {who: report["measured"][who]["heldout"] for who in ("parent", "new")}
     assert report["parent_version"] == "1" and report["version"] == "2" and report["k"] == K
+    prepared = json.loads((Path(report["json"]).parent / "data" / "summary.json").read_text())["by_category"]
+    assert report["samples"] == prepared["traffic"] and sum(prepared["user"].values()) == 6  # replay trained too
     # held-out requests are repeats of train prompts: the random drafter accepts nothing, the adapted one
     # learned them (+0.88, +0.67, +0.46 AL in three runs: the split follows random request ids)
     assert heldout["new"]["acceptance_length"] >= heldout["parent"]["acceptance_length"] + 0.3, heldout

@@ -51,3 +51,29 @@ def test_goals_compare_within_the_run():
     assert verdict["general_al_drop"]["measured"] == 0.03
     result["heldout"]["suffix"] = {"skipped": "not installed"}
     assert goals(result)["ahead_of_suffix"] == {"measured": None, "met": None}
+
+
+def test_ablation_variants_split_their_own_overrides_from_the_config_ones():
+    from peagle_ray.bench.adapt_ablation import split_overrides
+
+    assert split_overrides(["replay=0.5", "training.learning_rate=1e-3"]) == (
+        ["training.learning_rate=1e-3"],
+        {"traffic": 1.0, "replay": 0.5},
+    )
+    assert split_overrides([]) == ([], {"traffic": 1.0, "replay": 0.0})
+    with pytest.raises(ConfigError, match="replay must be a share in .* got '1'"):
+        split_overrides(["replay=1"])
+    with pytest.raises(ConfigError, match="traffic must be a share .* got '0'"):
+        split_overrides(["traffic=0"])
+
+
+def test_the_training_mix_keeps_a_share_of_traffic_and_replays_general_records():
+    from peagle_ray.bench.adapt_ablation import training_mix
+
+    traffic = [{"id": f"t{i}"} for i in range(8)]
+    general = [{"id": f"g{i}"} for i in range(6)]
+    mix = training_mix(traffic, general, keep=0.5, replay=0.5, seed=0)
+    assert sorted(r["id"] for r in mix) == ["g0", "g1", "g2", "g3", "t0", "t1", "t2", "t3"]
+    assert sorted(r["id"] for r in training_mix(traffic, general, 1.0, 0.0, 0)) == sorted(r["id"] for r in traffic)
+    with pytest.raises(ConfigError, match="replay=0.5 needs 8 general training records; the general capture has 6"):
+        training_mix(traffic, general, 1.0, 0.5, 0)

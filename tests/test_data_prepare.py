@@ -129,6 +129,7 @@ def test_regenerated_turns_are_the_supervised_tokens(tokenizer, tmp_path):
     assert bad.counts == Counter(no_assistant_turn=1)
     summary = write_prepared(samples, tmp_path, len(tokenizer) + 7, bad)
     assert summary["samples"] == {"train": 2} and summary["bad_rows"] == {"no_assistant_turn": 1}
+    assert summary["by_category"] == {samples[0].category: {"train": 2}}
     counts = read_token_counts(tmp_path)
     assert counts[7] == 1 and counts[5] == 1 and int(counts.sum()) == 5
     assert [s.sample_id for s in read_prepared(tmp_path, "train")] == ["a", "b"]

@@ -55,12 +55,12 @@ def train_and_measure(
     train: list[dict],
     validation: list[dict],
     budgets: list[int],
-    measure: Callable[[object, int], dict] | None = None,
+    measure: Callable[[object, object, int], dict] | None = None,
     progress: Progress = print,
 ) -> list[dict]:
     """Train one drafter for max(budgets) steps (cfg.training.max_steps is set to that by the caller), cycling
     through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
-    `measure(drafter, steps)` for extra figures, and append a row."""
+    `measure(drafter, teacher, steps)` for extra figures, and append a row."""
     from peagle_ray.data.prepare import read_token_counts
     from peagle_ray.drafter.build import drafter_for_target
     from peagle_ray.train.job import check_inputs
@@ -106,14 +106,14 @@ def train_and_measure(
             ],
         }
         if measure is not None:
-            row.update(measure(drafter, step + 1))
+            row.update(measure(drafter, teacher, step + 1))
         progress(json.dumps({"algorithm": cfg.drafter.algorithm, **row}))
         rows.append(row)
     return rows
 
 
-def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, int], dict]:
-    """measure(drafter, steps): export the drafter and read stock vLLM's acceptance on eval.suite (greedy,
+def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object, int], dict]:
+    """measure(drafter, teacher, steps): export the drafter and read stock vLLM's acceptance on eval.suite (greedy,
     eval.max_new_tokens, eval.prompts_per_category per category, K = drafter.num_depths)."""
     from peagle_ray.eval.sweep import eval_prompts, run_engine
     from peagle_ray.export.speculators import export_drafter, read_drafter, speculative_config
@@ -125,7 +125,7 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, int], 
     prompts = eval_prompts(cfg, target_dir)
     k = cfg.drafter.num_depths
 
-    def measure(drafter, steps: int) -> dict:
+    def measure(drafter, teacher, steps: int) -> dict:
         out = export_drafter(
             drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs["aux_layer_ids"], k
         )

@@ -343,12 +343,14 @@ def write_prepared(
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     written: Counter = Counter()
+    by_category: dict[str, Counter] = {}
     tokens = 0
     files = {split: prepared_file(out_dir, split).open("w") for split in SPLITS}
     try:
         for sample in samples:
             files[sample.split].write(json.dumps(asdict(sample)) + "\n")
             written[sample.split] += 1
+            by_category.setdefault(sample.category, Counter())[sample.split] += 1
             tokens += len(sample.input_ids)
             ids = torch.tensor(sample.input_ids)
             counts += torch.bincount(ids[torch.tensor(sample.loss_mask, dtype=torch.bool)], minlength=vocab_size)
@@ -361,6 +363,7 @@ def write_prepared(
     save_file({"counts": counts}, str(out_dir / TOKEN_COUNTS))
     summary = {
         "samples": dict(written),
+        "by_category": {category: dict(n) for category, n in sorted(by_category.items())},
         "tokens": tokens,
         "bad_rows": dict(bad.counts),
         "bad_row_examples": bad.examples,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from peagle_ray.config import DrafterConfig
+from peagle_ray.config import ConfigError, DrafterConfig
 from peagle_ray.drafter.model import Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.drafter.vocab import MaskToken, draft_vocabulary, resolve_mask_token
@@ -128,7 +128,19 @@ def drafter_for_target(
     if init_from is not None:
         load_initial_weights(drafter, init_from)
     drafter.lm_head.weight.requires_grad_(not drafter_cfg.freeze_lm_head)
+    freeze(drafter, drafter_cfg.frozen)
     return drafter, teacher, mask
+
+
+def freeze(drafter: torch.nn.Module, prefixes: list[str]) -> None:
+    """Stop the gradient of every parameter whose name starts with one of `prefixes` (drafter.frozen)."""
+    names = [name for name, _ in drafter.named_parameters()]
+    for prefix in prefixes:
+        if not any(name.startswith(prefix) for name in names):
+            raise ConfigError(f"drafter.frozen: {prefix!r} names no parameter of the drafter; its parameters: {names}")
+    for name, param in drafter.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            param.requires_grad_(False)
 
 
 def _weights_file(source: Path) -> Path:

@@ -14,6 +14,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.adapt import adapt_cycle, decide, run_adapt, serve_adapting
+from peagle_ray.bench import adapt_ablation
 from peagle_ray.config import ConfigError, build_config, with_values
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter, read_drafter
@@ -153,8 +154,11 @@ def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_loc
     from transformers import AutoTokenizer
 
     general = tmp_path / "general.jsonl"  # adapt.replay: general data mixed in, never judged as traffic
-    rows = [[{"role": "user", "content": f"Tell me about {i}."}, {"role": "assistant", "content": f"{i} is {i}."}]]
-    general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows * 6))
+    chats = [
+        [{"role": "user", "content": f"Tell me about {i}."}, {"role": "assistant", "content": f"{i} is {i}."}]
+        for i in range(6)
+    ]
+    general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
     cfg = adapt_cfg(tmp_path, tiny_target, replay=[str(general)])
     (tmp_path / "traffic").mkdir()
     with pytest.raises(ConfigError, match="no version of registered model 'peagle-drafter' has the alias 'serving'"):
@@ -202,6 +206,17 @@ def test_record_adapt_promote_and_swap_under_load(tiny_target, tmp_path, ray_loc
     assert all(report["measured"][w][p]["greedy_mismatches"] == 0 for w in heldout for p in ("heldout", "general"))
     assert during.ok > 0 and during.failed == [] and during.mismatched == []  # nothing dropped in the swap
     assert stats["version"] == "peagle-drafter/2" and stats["drafter"] == report["export_dir"]
+    # bench adapt-ablation on this adaptation's own inputs (the general side: its replayed records)
+    work = Path(report["json"]).parent
+    variants = [["base"], ["decoder only", "drafter.frozen=[embed_tokens, fc]"], ["replay", "replay=0.2"]]
+    ablation = adapt_ablation.run(
+        with_values(cfg, {"capture.output_dir": str(work / "hidden")}), work, variants, [2, 4]
+    )
+    rows = {name: v["rows"] for name, v in ablation["variants"].items()}
+    assert [r["steps"] for r in rows["base"]] == [2, 4] and set(ablation["parent"]) == {"heldout_al", "general_al"}
+    assert rows["decoder only"][0]["trainable_parameters"] < rows["base"][0]["trainable_parameters"]
+    assert ablation["variants"]["replay"]["train_records"] > ablation["variants"]["base"]["train_records"]
+    assert all(r["heldout_al"] >= 1 and r["general_al"] >= 1 for v in rows.values() for r in v)
     client = MlflowClient(cfg.tracking.tracking_uri)
     version = client.get_model_version_by_alias("peagle-drafter", "serving")
     assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"

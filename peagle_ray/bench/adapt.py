@@ -8,8 +8,8 @@ pick instead? One run per workload, every figure from one machine and one run:
      of offline held-out AL against adaptation minutes comes from those validations' MLflow timestamps);
   4. measure the held-out split with stock vLLM at the served K, greedy, batch 1 timing: the target alone,
      the un-adapted and the adapted drafter, vLLM's n-gram drafter (prompt lookup, no training) and suffix
-     decoding (`method: suffix`, training-free; its response cache is fed the train split first; needs the
-     `arctic-inference` package, else reported as not installed).
+     decoding (`method: suffix`, training-free; its response cache is fed the train split first; needs
+     arctic-inference's suffix tree importable: scripts/build_suffix_decoding.sh, else reported as skipped).
 
 Workloads (each a real task family, not a benchmark's mix):
   humaneval        code completion: HumanEval's 164 function stubs as user turns (the `data` extra).
@@ -183,7 +183,10 @@ def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: l
     rows = {"target": summarize(0, baseline, baseline)["overall"]}
     for name, (spec, warmup) in decoders.items():
         if name == "suffix" and not suffix_available():
-            rows[name] = {"skipped": "vLLM's suffix decoding needs the arctic-inference package (not installed)"}
+            rows[name] = {
+                "skipped": "vLLM's suffix decoding needs arctic-inference's suffix tree: scripts/build_suffix_decoding.sh "
+                "builds it; put its directory on PYTHONPATH"
+            }
             continue
         rows[name] = summarize(k, baseline, run_engine(cfg, target, spec, prompts, cfg.eval.timing_prompts, warmup))[
             "overall"

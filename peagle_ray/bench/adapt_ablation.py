@@ -113,8 +113,10 @@ def run(
             "traffic_heldout": len(traffic_val),
             "general_validation": len(general_val),
         },
+        "parent": parent_row(acfg, traffic_val, general_val),
         "variants": {},
     }
+    progress(f"[adapt-ablation] the parent, untrained here: {result['parent']}")
     for name, overrides in variants.items():
         config_overrides, own = split_overrides(overrides)
         vcfg = with_values(with_overrides(acfg, config_overrides), {"training.max_steps": max(budgets)})
@@ -132,6 +134,29 @@ def run(
             row["heldout_acceptance_per_position"] = row.pop("val_acceptance_per_position")
         result["variants"][name] = {"overrides": overrides, "train_records": len(train), "rows": rows}
     return result
+
+
+def parent_row(cfg: PeagleConfig, heldout: list[dict], general: list[dict]) -> dict:
+    """The parent's own held-out traffic and general AL (the variants' step 0)."""
+    from peagle_ray.data.prepare import read_token_counts
+    from peagle_ray.drafter.build import drafter_for_target
+    from peagle_ray.train.job import check_inputs
+    from peagle_ray.train.worker import validate
+
+    seed, inputs = cfg.training.seed, check_inputs(cfg)
+    drafter, teacher, _ = drafter_for_target(
+        inputs["info"].path,
+        cfg.drafter,
+        read_token_counts(cfg.data.output_dir),
+        len(inputs["aux_layer_ids"]),
+        torch.Generator().manual_seed(seed),
+        init_from=cfg.training.init_from,
+    )
+    al = {}
+    for name, records in (("heldout_al", heldout), ("general_al", general)):
+        val = validate(drafter, teacher, records, cfg, torch.Generator().manual_seed(seed))
+        al[name] = round(val["val/acceptance_length"], 4)
+    return al
 
 
 def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:

@@ -188,9 +188,14 @@ def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: l
                 "builds it; put its directory on PYTHONPATH"
             }
             continue
-        rows[name] = summarize(k, baseline, run_engine(cfg, target, spec, prompts, cfg.eval.timing_prompts, warmup))[
-            "overall"
-        ]
+        try:
+            run = run_engine(cfg, target, spec, prompts, cfg.eval.timing_prompts, warmup)
+        except RuntimeError as err:  # a peer that fails to run is reported; the figures measured so far stay
+            if name in ("unadapted", "adapted"):
+                raise
+            rows[name] = {"failed": str(err)}
+            continue
+        rows[name] = summarize(k, baseline, run)["overall"]
     unadapted = rows["unadapted"]["tokens_per_s"]
     rows["adapted"]["speedup_vs_unadapted"] = (
         round(rows["adapted"]["tokens_per_s"] / unadapted, 3) if unadapted else None

@@ -171,6 +171,11 @@ def arg(*flags: str, **options) -> tuple[tuple[str, ...], dict]:
     return flags, options
 
 
+def variant_arg(help: str) -> tuple:
+    """--variant NAME OVERRIDE..., repeatable (the ablation benches)."""
+    return arg("--variant", dest="variants", nargs="+", action="append", metavar=("NAME", "OVERRIDE"), help=help)
+
+
 CONFIG_ARGS = (
     arg("--config", type=Path, help="YAML config file (default: built-in defaults)."),
     arg(
@@ -473,15 +478,10 @@ BENCHES = {
         ("adaptation", "variants", "budgets", "general_records"),
         (
             arg("--adaptation", type=Path, help="A directory `peagle-ray adapt` wrote (<storage>/adapt/<id>)."),
-            arg(
-                "--variant",
-                dest="variants",
-                nargs="+",
-                action="append",
-                metavar=("NAME", "OVERRIDE"),
-                help="A variant: its name, then overrides: SECTION.FIELD=VALUE, traffic=SHARE (of the recorded "
-                "training requests), replay=SHARE (general records in the mix); repeatable, the first is the "
-                "baseline; none given: peagle_ray.bench.adapt_ablation.VARIANTS",
+            variant_arg(
+                "A variant: its name, then overrides: SECTION.FIELD=VALUE, traffic=SHARE (of the recorded training "
+                "requests), replay=SHARE (general records in the mix); repeatable, the first is the baseline; none "
+                "given: peagle_ray.bench.adapt_ablation.VARIANTS"
             ),
             arg("--budgets", type=int, nargs="+", help="Steps to measure at (one run per variant to the largest)."),
             arg("--general-records", type=int, help="General validation records replayed (forgetting)."),
@@ -496,14 +496,9 @@ BENCHES = {
         "the job's own step; training.validation_records caps the records replayed).",
         ("variants", "steps"),
         (
-            arg(
-                "--variant",
-                dest="variants",
-                nargs="+",
-                action="append",
-                metavar=("NAME", "SECTION.FIELD=VALUE"),
-                help="A variant: its name, then config overrides (repeatable; the first is the baseline), "
-                "e.g. --variant base --variant frozen drafter.freeze_lm_head=true",
+            variant_arg(
+                "A variant: its name, then config overrides (repeatable; the first is the baseline), e.g. "
+                "--variant base --variant frozen drafter.freeze_lm_head=true"
             ),
             arg("--steps", type=int, help="Optimizer steps per variant."),
         ),

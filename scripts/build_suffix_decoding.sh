@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM's suffix decoding (`speculative_config: {method: suffix}`) needs arctic-inference's suffix tree. PyPI has
 # only its source for this platform, and installing it also registers a vLLM plugin written for another vLLM
-# release. This builds just the suffix-tree extension from that source (nanobind + cmake, about a minute) into
+# release. This builds just the suffix-tree extension from that source (nanobind + cmake, under a minute) into
 # DIR (default ~/.cache/peagle-ray/suffix-decoding), with no plugin entry point; `bench adapt` measures suffix
 # decoding when DIR is on PYTHONPATH:
 #     scripts/build_suffix_decoding.sh && PYTHONPATH=~/.cache/peagle-ray/suffix-decoding peagle-ray bench adapt ...

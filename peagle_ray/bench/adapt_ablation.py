@@ -120,8 +120,8 @@ def run(
     for name, overrides in variants.items():
         config_overrides, own = split_overrides(overrides)
         vcfg = with_values(with_overrides(acfg, config_overrides), {"training.max_steps": max(budgets)})
-        train = training_mix(traffic_train, general_train, own["traffic"], own["replay"], vcfg.training.seed)
         seed = vcfg.training.seed
+        train = training_mix(traffic_train, general_train, own["traffic"], own["replay"], seed)
 
         def general(drafter, teacher, steps: int, vcfg=vcfg, seed=seed) -> dict:
             val = validate(drafter, teacher, general_val, vcfg, torch.Generator().manual_seed(seed))
@@ -138,20 +138,11 @@ def run(
 
 def parent_row(cfg: PeagleConfig, heldout: list[dict], general: list[dict]) -> dict:
     """The parent's own held-out traffic and general AL (the variants' step 0)."""
-    from peagle_ray.data.prepare import read_token_counts
-    from peagle_ray.drafter.build import drafter_for_target
-    from peagle_ray.train.job import check_inputs
+    from peagle_ray.bench.learning import initial_drafter
     from peagle_ray.train.worker import validate
 
-    seed, inputs = cfg.training.seed, check_inputs(cfg)
-    drafter, teacher, _ = drafter_for_target(
-        inputs["info"].path,
-        cfg.drafter,
-        read_token_counts(cfg.data.output_dir),
-        len(inputs["aux_layer_ids"]),
-        torch.Generator().manual_seed(seed),
-        init_from=cfg.training.init_from,
-    )
+    seed = cfg.training.seed
+    drafter, teacher = initial_drafter(cfg)
     al = {}
     for name, records in (("heldout_al", heldout), ("general_al", general)):
         val = validate(drafter, teacher, records, cfg, torch.Generator().manual_seed(seed))

@@ -50,6 +50,25 @@ def split_records(cfg: PeagleConfig, max_validation: int | None) -> tuple[list[d
     return train, validation
 
 
+def initial_drafter(cfg: PeagleConfig):
+    """(drafter, teacher) as the training job builds them before its first step (training.init_from applied),
+    after check_inputs."""
+    from peagle_ray.data.prepare import read_token_counts
+    from peagle_ray.drafter.build import drafter_for_target
+    from peagle_ray.train.job import check_inputs
+
+    inputs = check_inputs(cfg)
+    drafter, teacher, _ = drafter_for_target(
+        inputs["info"].path,
+        cfg.drafter,
+        read_token_counts(cfg.data.output_dir),
+        len(inputs["aux_layer_ids"]),
+        torch.Generator().manual_seed(cfg.training.seed),
+        init_from=cfg.training.init_from,
+    )
+    return drafter, teacher
+
+
 def train_and_measure(
     cfg: PeagleConfig,
     train: list[dict],
@@ -61,22 +80,11 @@ def train_and_measure(
     """Train one drafter for max(budgets) steps (cfg.training.max_steps is set to that by the caller), cycling
     through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
     `measure(drafter, teacher, steps)` for extra figures, and append a row."""
-    from peagle_ray.data.prepare import read_token_counts
-    from peagle_ray.drafter.build import drafter_for_target
-    from peagle_ray.train.job import check_inputs
     from peagle_ray.train.step import make_optimizer, train_step
     from peagle_ray.train.worker import to_sequence, validate
 
-    inputs = check_inputs(cfg)
     tcfg = cfg.training
-    drafter, teacher, _ = drafter_for_target(
-        inputs["info"].path,
-        cfg.drafter,
-        read_token_counts(cfg.data.output_dir),
-        len(inputs["aux_layer_ids"]),
-        torch.Generator().manual_seed(tcfg.seed),
-        init_from=tcfg.init_from,
-    )
+    drafter, teacher = initial_drafter(cfg)
     optimizer, scheduler = make_optimizer(drafter, tcfg)
     generator = torch.Generator().manual_seed(tcfg.seed + 1)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)

@@ -3,8 +3,8 @@ and the P-EAGLE drafter for each K in eval.k_values; acceptance per position, AL
 greedy mismatches against the target alone; the recommended K (best measured overall tokens/s) per
 algorithm, written to the JSON and to each drafter's config.json (speculative_tokens, used by serving).
 
-Each configuration is one vLLM engine in its own process (`vllm_run`): the acceptance prompts of a
-category run batched, the timing prompts at batch 1. Prompts come from eval.suite: the prepared validation
+Each configuration is one vLLM engine in its own process (`vllm_run`): the first eval.timing_prompts of
+a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
 split (the prompt part of each conversation), MT-Bench or HumanEval; eval.prompts_per_category per category.
 
 Per category and overall (DESIGN.md §4): k, acceptance_per_position, acceptance_length, tokens_per_s,
@@ -103,7 +103,7 @@ def run_engine(
         "engine_args": engine_args(cfg, target_dir, torch.cuda.is_available(), spec_config),
         "max_new_tokens": cfg.eval.max_new_tokens,
         "acceptance": prompts,
-        "timing": {c: p[:timing_prompts] for c, p in prompts.items()},
+        "timing": {c: min(timing_prompts, len(p)) for c, p in prompts.items()},
         "warmup": warmup or [],
     }
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:

@@ -4,16 +4,18 @@ process per configuration keeps timings independent):
     python -m peagle_ray.eval.vllm_run SPEC.json OUT.json
 
 SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_tokens",
-       "acceptance": {category: [prompt ids, ...]}, "timing": {category: [prompt ids, ...]},
+       "acceptance": {category: [prompt ids, ...]}, "timing": {category: n (the first n acceptance prompts)},
        "warmup": [prompt ids, ...] (optional: generated first, e.g. to fill suffix decoding's response cache)}
 OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
        "timing": {category: {"tokens": n, "seconds": s, "counters": {...}}}, "engine_start_s": s}
 
-Acceptance prompts of a category run as one batch (vLLM's counters are read before and after, so each
-category gets its own counts); timing prompts run one at a time (batch 1, the latency a user sees), each
-after the prefix cache is emptied: they were just seen in the acceptance batches, and vLLM reuses less of a
-cached prompt when an EAGLE drafter runs (it drops back a KV block to rebuild the drafter's state), so cached
-timings favoured the target alone on long prompts with short answers (tool_calls measured ~0.5x).
+Each prompt is generated exactly once. The timed prompts of a category run first, one at a time (batch 1, the
+latency a user sees), each after the prefix cache is emptied; the rest of the category then runs as one
+batch. A category's acceptance counts and tokens are both parts together (vLLM's counters are read before
+and after each part). Once only, and timing first: a decoder that learns from what it generated (suffix
+decoding's response cache) would otherwise be timed on prompts whose answers it had already seen. The
+prefix cache is emptied because vLLM reuses less of a cached prompt when an EAGLE drafter runs (it drops
+back a KV block to rebuild the drafter's state), so cached timings favoured the target alone.
 """
 
 from __future__ import annotations
@@ -36,29 +38,27 @@ def run(spec: dict) -> dict:
     if spec.get("warmup"):
         llm.generate([{"prompt_token_ids": p} for p in spec["warmup"]], sampling, use_tqdm=False)
     stats = lambda: SpecStats.from_counters(counters_from_snapshot(llm.get_metrics()))  # noqa: E731
+    warm = spec.get("warmup") or [next(iter(spec["acceptance"].values()))[0]]
+    llm.generate([{"prompt_token_ids": warm[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     for category, prompts in spec["acceptance"].items():
-        before = stats()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-        counts = stats().minus(before)
-        out["acceptance"][category] = {
-            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-            "counters": counts.__dict__,
-        }
-        print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
-    llm.generate(
-        [{"prompt_token_ids": spec["acceptance"][next(iter(spec["acceptance"]))][0]}],
-        SamplingParams(temperature=0.0, max_tokens=8),
-        use_tqdm=False,
-    )  # warm-up before timing
-    for category, prompts in spec["timing"].items():
-        tokens, seconds, before = 0, 0.0, stats()
-        for prompt in prompts:
+        timed = prompts[: spec["timing"].get(category, 0)]
+        tokens, seconds, before = [], 0.0, stats()
+        for prompt in timed:
             llm.reset_prefix_cache()
             start = time.perf_counter()
             (output,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
             seconds += time.perf_counter() - start
-            tokens += len(output.outputs[0].token_ids)
-        out["timing"][category] = {"tokens": tokens, "seconds": seconds, "counters": stats().minus(before).__dict__}
+            tokens.append(list(output.outputs[0].token_ids))
+        timing = stats().minus(before)
+        out["timing"][category] = {"tokens": sum(map(len, tokens)), "seconds": seconds, "counters": timing.__dict__}
+        before = stats()
+        rest = prompts[len(timed) :]
+        if rest:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in rest], sampling, use_tqdm=False)
+            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        counts = timing + stats().minus(before)
+        out["acceptance"][category] = {"tokens": tokens, "counters": counts.__dict__}
+        print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
     return out
 
 

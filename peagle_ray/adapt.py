@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
-from peagle_ray.data.traffic import CATEGORY as TRAFFIC
+from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
 
 
 def traffic_source(cfg: PeagleConfig) -> str:
@@ -53,6 +53,7 @@ def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, u
             "training.init_from": str(parent_dir),
             "training.max_steps": cfg.adapt.max_steps,
             "training.epochs": cfg.adapt.max_steps,  # a recording smaller than the budget is repeated
+            "training.validation_prefix": TRAFFIC_IDS,  # the curve is the workload's, not the replay's
             "training.run_name": f"{cfg.training.run_name}-adapt-{work.name}",
             "tracking.tracking_uri": uri,
         },

@@ -202,6 +202,12 @@ class DrafterConfig(_Section):
     trains only the decoder layer, the norms and P-EAGLE's mask_hidden (adaptation on little traffic). Names as
     in the exported model.safetensors; a prefix that names no parameter is refused."""
 
+    normalize_features: bool = False
+    """Scale each channel of the target's aux hidden states to unit RMS before fc (measured on the first 64
+    captured training records; needs capture.mode offline). A fixed buffer folded into fc at export, so
+    vLLM serves the same files. Targets with massive activations (SmolLM2: one channel ~1000x the median
+    channel's RMS) otherwise let a few channels dominate fc's input and its Adam steps."""
+
     @property
     def trained_depths(self) -> int:
         """Depths a training sequence samples: ttt_steps for EAGLE-3 when set, else num_depths."""
@@ -284,6 +290,10 @@ class TrainingConfig(_Section):
     validation_records: int | None = Field(default=None, gt=0)
     """Most validation records measured each time (the first N by sample id); None measures all. Greedy
     replay runs one draft forward per accepted step, several seconds per long record on a small CPU."""
+
+    validation_prefix: str = ""
+    """Only validation records whose sample id starts with this are measured (e.g. "traffic:": adapt's curve
+    is the workload's held-out requests, not the general data it replays); "" measures every source."""
 
     seed: int = 0
     """Seed of every generator used in training (COD sampling, init, data order)."""

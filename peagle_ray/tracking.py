@@ -8,7 +8,7 @@
             with metric_progress(uri, run_id, total, "train"):   # the driver's bar, read from the run
                 ...
             log_files(uri, run_id, [config, plot], dirs={"drafter": export_dir})
-            register_model(uri, run_id, "peagle-drafter", "drafter")
+            register_model(uri, run_id, "peagle-drafter", "drafter", "serving")
     with results_run(uri, cfg, run_id, "eval-peagle", work_dir) as run_id:   # a run, or one made for results
         log_metrics(uri, run_id, [(name, value, step), ...]); set_tag(...); log_table(...)
 
@@ -288,10 +288,10 @@ def log_files(
         client.log_artifacts(run_id, str(directory), artifact_path=key)
 
 
-def register_model(uri: str, run_id: str, name: str, artifact_path: str, tags: dict | None = None) -> str:
+def register_model(uri: str, run_id: str, name: str, artifact_path: str, alias: str, tags: dict | None = None) -> str:
     """A new version of the registered model `name` (made if missing) from the run's artifacts; returns the
-    version number. The first version of a model also gets the alias `serving` (what the endpoint and
-    `peagle-ray adapt` start from); later ones get it only when promoted."""
+    version number. The first version of a model also gets `alias` (adapt.alias, "serving": what the endpoint
+    and `peagle-ray adapt` start from); later ones get it only when promoted."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -303,11 +303,8 @@ def register_model(uri: str, run_id: str, name: str, artifact_path: str, tags: d
     source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
     version = client.create_model_version(name, source, run_id=run_id, tags=tags or {}).version
     if not client.get_registered_model(name).aliases:
-        client.set_registered_model_alias(name, SERVING_ALIAS, version)
+        client.set_registered_model_alias(name, alias, version)
     return str(version)
-
-
-SERVING_ALIAS = "serving"
 
 
 def register_export(uri: str, cfg: PeagleConfig, run_name: str, export: Path, work_dir: Path) -> str:
@@ -317,7 +314,7 @@ def register_export(uri: str, cfg: PeagleConfig, run_name: str, export: Path, wo
 
     run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": run_name}), work_dir)
     log_files(uri, run_id, [], dirs={"drafter": export})
-    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter")
+    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter", cfg.adapt.alias)
 
 
 def aliased_version(uri: str, name: str, alias: str) -> dict | None:

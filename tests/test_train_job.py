@@ -203,6 +203,9 @@ def test_validation_measures_the_first_records_by_sample_id():
     rows = [{"sample_id": s} for s in ["c", "a", "d", "b"]]  # the read order of Ray Data is not fixed
     assert [r["sample_id"] for r in validation_subset(rows, TrainingConfig(validation_records=2))] == ["a", "b"]
     assert [r["sample_id"] for r in validation_subset(rows, TrainingConfig())] == ["a", "b", "c", "d"]
+    mixed = [{"sample_id": s} for s in ["sharegpt-1", "traffic:r2:0", "sharegpt-0", "traffic:r1:0"]]
+    only = TrainingConfig(validation_prefix="traffic:")  # adapt's curve: the workload, not the replay
+    assert [r["sample_id"] for r in validation_subset(mixed, only)] == ["traffic:r1:0", "traffic:r2:0"]
 
 
 @pytest.mark.slow
@@ -251,16 +254,34 @@ def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(work
     from peagle_ray.config import with_values
 
     cfg = config(workdir, tiny_target)
-    result = learning.ablation(
-        cfg, {"base": [], "frozen": ["drafter.freeze_lm_head=true"]}, steps=3, progress=lambda _line: None
-    )
+    variants = {"base": [], "frozen": ["drafter.freeze_lm_head=true"], "norm": ["drafter.normalize_features=true"]}
+    result = learning.ablation(cfg, variants, steps=3, progress=lambda _line: None)
     base, frozen = result["variants"]["base"], result["variants"]["frozen"]
+    assert result["variants"]["norm"]["train_loss"] != base["train_loss"]  # the same start, other steps
     assert base["trainable_parameters"] - frozen["trainable_parameters"] == 300 * 96  # the DV x H head
     assert base["steps"] == 3 and base["train_tokens"] > 0 and base["val_al_gain_vs_baseline"] == 0
     assert all(
         1 <= r["val_acceptance_length"] <= K + 1 and len(r["val_acceptance_per_position"]) == K
         for r in result["variants"].values()
     )
+
+    # bench features on an exported drafter: its features as captured, zeroed, shuffled; count tables; layers
+    from peagle_ray.bench import features
+    from peagle_ray.export.speculators import export_drafter
+
+    drafter, _ = learning.initial_drafter(cfg)
+    export = export_drafter(drafter, workdir / "features-drafter", tiny_target, check_inputs(cfg)["aux_layer_ids"], K)
+    diagnosis = features.run(cfg, {"peagle": export}, validation_records=2, progress=lambda _line: None)
+    assert (
+        set(diagnosis["features"]) == {"captured", "zeroed", "shuffled"}
+        and 1 <= diagnosis["records"]["validation"] <= 2
+    )
+    for row in diagnosis["features"].values():
+        assert len(row["acc_by_depth"]) == K and all(0 <= a <= 1 for a in row["acc_by_depth"])
+        assert 1 <= row["acceptance_length"] <= K + 1
+    assert len(diagnosis["counts"]["acc_by_depth"]) == K and 0 <= diagnosis["counts"]["acc_by_depth"][0] <= 1
+    assert [row["layer"] for row in diagnosis["layers"]] == list(check_inputs(cfg)["aux_layer_ids"])
+    assert all(row["max_abs"] > 0 for row in diagnosis["layers"])
 
     curve_cfg = with_values(
         cfg,

@@ -70,13 +70,13 @@ def traffic_conversations(
                     bad.skip(err, row_id)
                     continue
                 key = record.get("conversation_id") or record["id"]
-                split = split_of(f"traffic:{key}", validation_fraction)
+                split = split_of(f"{PREFIX}{key}", validation_fraction)
                 for n, output in enumerate(record["output_ids"]):
                     if not output:
                         bad.add("no_assistant_turn", f"{row_id}#{n}", "the target generated nothing")
                         continue
                     yield Conversation(
-                        f"traffic:{record['id']}:{n}",
+                        f"{PREFIX}{record['id']}:{n}",
                         _messages(record),
                         CATEGORY,
                         split,

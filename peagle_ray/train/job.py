@@ -62,7 +62,29 @@ def check_inputs(cfg: PeagleConfig) -> dict:
             f"directory (model.safetensors or {CHECKPOINT_WEIGHTS})"
         )
     aux = info.aux_layer_ids(cfg.capture.aux_layer_ids)
-    return {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
+    inputs = {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
+    if cfg.drafter.normalize_features:
+        inputs["feature_scale"] = feature_scale(cfg)
+    return inputs
+
+
+FEATURE_SCALE_RECORDS = 64
+
+
+def feature_scale(cfg: PeagleConfig) -> list[float]:
+    """drafter.normalize_features' per-channel scale, from the first captured training records."""
+    import itertools
+
+    from peagle_ray.capture.pipeline import read_split
+    from peagle_ray.drafter.build import channel_scale
+
+    if cfg.capture.mode != "offline":
+        raise ConfigError(
+            "drafter.normalize_features measures the captured features before training: it needs "
+            f"capture.mode offline (got {cfg.capture.mode!r})"
+        )
+    records = itertools.islice(read_split(Path(cfg.capture.output_dir), "train"), FEATURE_SCALE_RECORDS)
+    return channel_scale([r["aux_hidden"] for r in records]).tolist()
 
 
 def check_shared_paths(cfg: PeagleConfig, storage: Path) -> None:
@@ -205,6 +227,7 @@ def worker_plan(cfg: PeagleConfig, inputs: dict, uri: str, run_id: str, storage:
         "storage_path": cfg.training.checkpoint_uri or str(storage),
         "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
         "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
+        "feature_scale": inputs.get("feature_scale"),
     }
 
 
@@ -262,4 +285,4 @@ def _log_artifacts(
     log_files(uri, run_id, [run_dir / "config.yaml", run_dir / "provenance.json", plot], dirs={"drafter": export_dir})
     if not cfg.tracking.registered_model:
         return None
-    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter")
+    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter", cfg.adapt.alias)

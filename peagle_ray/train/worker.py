@@ -105,9 +105,10 @@ def broadcast_from_rank0(value: dict, world: int) -> dict:
 
 
 def validation_subset(rows, tcfg) -> list[dict]:
-    """The validation records measured: in sample-id order (the read order is not fixed), the first
-    training.validation_records of them."""
-    return sorted(rows, key=lambda r: r["sample_id"])[: tcfg.validation_records]
+    """The validation records measured: those whose sample id starts with training.validation_prefix, in
+    sample-id order (the read order is not fixed), the first training.validation_records of them."""
+    kept = (r for r in rows if r["sample_id"].startswith(tcfg.validation_prefix))
+    return sorted(kept, key=lambda r: r["sample_id"])[: tcfg.validation_records]
 
 
 def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator) -> dict[str, float]:
@@ -172,6 +173,7 @@ def build_rank(plan: dict) -> Rank:
         len(plan["aux_layer_ids"]),
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
+        feature_scale=None if plan["feature_scale"] is None else torch.tensor(plan["feature_scale"]),
     )
     device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
     if device.type == "cpu":

@@ -489,6 +489,19 @@ BENCHES = {
         ("cfg", "progress"),
         tracked=True,
     ),
+    "features": Bench(
+        "features",
+        "run",
+        "Does the drafter use the target? On the capture's validation split: per-depth accuracy and AL with the "
+        "target's features as captured, zeroed and shuffled across positions; skip-gram count tables from the "
+        "train split on the same elements; max |h| per aux layer and channel.",
+        ("validation_records",),
+        (
+            DRAFTER_ARGS[0],
+            arg("--validation-records", type=int, help="Validation records measured."),
+        ),
+        ("cfg", "drafters", "progress"),
+    ),
     "ablation": Bench(
         "learning",
         "ablation",

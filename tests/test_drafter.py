@@ -260,3 +260,33 @@ def test_frozen_prefixes_keep_their_values_while_the_rest_trains():
     assert {"mask_hidden", "layers.0.self_attn.q_proj.weight", "norm.weight"} <= changed
     with pytest.raises(ConfigError, match="drafter.frozen: 'decoder' names no parameter"):
         freeze(drafter, ["decoder"])
+
+
+def test_feature_scale_keeps_the_function_and_the_export_folds_it_into_fc(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from peagle_ray.config import TrainingConfig
+    from peagle_ray.drafter.build import channel_scale
+    from peagle_ray.export.speculators import drafter_state
+    from peagle_ray.train.checkpoint import CHECKPOINT_WEIGHTS, load_drafter_from_checkpoint, save_checkpoint
+    from peagle_ray.train.step import make_optimizer
+
+    assert channel_scale([torch.tensor([[3.0, 0.0], [-3.0, 0.0]])]).tolist() == pytest.approx([1 / 3, 1000.0])
+    drafter, _ = tiny_drafter(tiny_arch("peagle", num_depths=4))
+    seq = random_sequence([20])
+    before = reference_chain_logits(drafter, seq.tokens, seq.hidden, 4)
+    scale = torch.linspace(0.01, 10.0, seq.hidden.shape[1], dtype=torch.float64)
+    drafter.set_feature_scale(scale)
+    assert torch.equal(drafter.feature_scale, scale)
+    torch.testing.assert_close(reference_chain_logits(drafter, seq.tokens, seq.hidden, 4), before)
+    state = drafter_state(drafter)
+    assert "feature_scale" not in state  # vLLM's fc reads the raw features
+    torch.testing.assert_close(seq.hidden[:3] @ state["fc.weight"].T, drafter.project(seq.hidden[:3]))
+    # a checkpoint keeps the scale; one written before it existed loads with the identity scale
+    optimizer, scheduler = make_optimizer(drafter, TrainingConfig())
+    save_checkpoint(tmp_path, drafter, optimizer, scheduler, torch.Generator(), {"step": 1})
+    assert torch.equal(load_drafter_from_checkpoint(tmp_path).feature_scale, scale.float())
+    weights = load_file(str(tmp_path / CHECKPOINT_WEIGHTS))
+    weights.pop("feature_scale")
+    save_file(weights, str(tmp_path / CHECKPOINT_WEIGHTS))
+    assert torch.equal(load_drafter_from_checkpoint(tmp_path).feature_scale, torch.ones_like(scale).float())

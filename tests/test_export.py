@@ -84,6 +84,7 @@ def test_export_writes_the_speculators_layout(tiny_target, tmp_path):
         weights["mask_hidden"].shape == (1, 288) and weights["d2t"].shape == (100,) and weights["t2d"].shape == (516,)
     )
     assert weights["layers.0.self_attn.q_proj.weight"].shape == (96, 192)
+    assert "feature_scale" not in weights  # folded into fc.weight
     assert json.loads((out / PROVENANCE).read_text())["packages"]["torch"].startswith("2.13")
 
 

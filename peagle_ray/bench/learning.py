@@ -65,6 +65,7 @@ def initial_drafter(cfg: PeagleConfig):
         len(inputs["aux_layer_ids"]),
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
+        feature_scale=torch.tensor(inputs["feature_scale"]) if "feature_scale" in inputs else None,
     )
     return drafter, teacher
 

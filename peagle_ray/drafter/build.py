@@ -107,9 +107,11 @@ def drafter_for_target(
     generator: torch.Generator,
     tokenizer=None,
     init_from: str | None = None,
+    feature_scale: torch.Tensor | None = None,
 ) -> tuple[Drafter, Teacher, MaskToken | None]:
     """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights
-    (then another drafter's, when `init_from` names one: training.init_from).
+    (then another drafter's, when `init_from` names one: training.init_from), then `feature_scale` on fc's
+    input (drafter.normalize_features; the function is kept, see Drafter.set_feature_scale).
 
     `tokenizer` defaults to the target's; when the mask token has to be added it is added to this object.
     """
@@ -127,9 +129,20 @@ def drafter_for_target(
     drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator, drafter_cfg.init_std)
     if init_from is not None:
         load_initial_weights(drafter, init_from)
+    if feature_scale is not None:
+        drafter.set_feature_scale(feature_scale)
     drafter.lm_head.weight.requires_grad_(not drafter_cfg.freeze_lm_head)
     freeze(drafter, drafter_cfg.frozen)
     return drafter, teacher, mask
+
+
+def channel_scale(aux_hidden: list[torch.Tensor], floor: float = 1e-3) -> torch.Tensor:
+    """1 / RMS of each aux-hidden channel over every position of `aux_hidden` ((T, A) each), the RMS floored
+    at `floor`: drafter.normalize_features' scale.
+
+    e.g. one record [[3, 0], [-3, 0]] -> RMS [3, 0] -> [1/3, 1/floor]."""
+    rows = torch.cat([torch.as_tensor(a).float() for a in aux_hidden])
+    return 1.0 / rows.pow(2).mean(0).sqrt().clamp(min=floor)
 
 
 def freeze(drafter: torch.nn.Module, prefixes: list[str]) -> None:

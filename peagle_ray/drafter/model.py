@@ -199,6 +199,20 @@ class Drafter(nn.Module):
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, a))  # the shared hidden of every mask slot
         self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(arch.vocab_size, dtype=torch.bool))
+        # per-channel scale of fc's input (drafter.normalize_features); folded into fc.weight at export
+        self.register_buffer("feature_scale", torch.ones(a))
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc of aux hidden states (or the mask hidden state), each channel scaled by feature_scale first."""
+        return self.fc(aux * self.feature_scale)
+
+    @torch.no_grad()
+    def set_feature_scale(self, scale: torch.Tensor) -> None:
+        """Scale fc's input channels by `scale` from now on, fc.weight rescaled so the drafter computes the
+        same function: only the training dynamics change (Adam's steps act on unit-RMS inputs)."""
+        scale = scale.to(self.feature_scale)
+        self.fc.weight.mul_(self.feature_scale / scale)
+        self.feature_scale.copy_(scale)
 
     # ---- one pass of the decoder stack -------------------------------------------------------------
     def _layers(self, hidden, embeds, positions, mask, past_kv, query_start: int):
@@ -259,7 +273,7 @@ class Drafter(nn.Module):
                 masks[last] = mask_fn(slice(num_context if last else 0, e), slice(0, e))
             return masks[last]
 
-        out, _ = self._layers(self.fc(aux), self.embed_tokens(ids), elements.position, mask, None, num_context)
+        out, _ = self._layers(self.project(aux), self.embed_tokens(ids), elements.position, mask, None, num_context)
         return out
 
     def _forward_ttt(self, tokens, aux_hidden, elements, mask_fn):
@@ -273,7 +287,7 @@ class Drafter(nn.Module):
             step = elements.select(slice(rows.start, rows.stop))
             ids = tokens[step.position]  # ground-truth next tokens (teacher forcing)
             if d == 0:
-                hidden = self.fc(aux_hidden[step.anchor])
+                hidden = self.project(aux_hidden[step.anchor])
             else:
                 hidden = outputs[-1][slot_of_anchor[step.anchor]]
             mask = mask_fn(rows, slice(0, rows.stop))
@@ -307,13 +321,15 @@ class Drafter(nn.Module):
             query = Elements.cat([new, chain])
             ids, aux = torch.cat([tokens, mask_ids]), torch.cat([aux_hidden, mask_aux])
             mask = cache.mask(query)
-            out, kv = self._layers(self.fc(aux), self.embed_tokens(ids), query.position, lambda last: mask, cache.kv, 0)
+            out, kv = self._layers(
+                self.project(aux), self.embed_tokens(ids), query.position, lambda last: mask, cache.kv, 0
+            )
             cache.append([(k[:m], v[:m]) for k, v in kv], m)
             draft = self.logits(out[m - 1 :]).argmax(-1)
             return draft + self.d2t[draft]
 
         out, kv = self._layers(
-            self.fc(aux_hidden), self.embed_tokens(tokens), new.position, lambda last: cache.mask(new), cache.kv, 0
+            self.project(aux_hidden), self.embed_tokens(tokens), new.position, lambda last: cache.mask(new), cache.kv, 0
         )
         cache.append(kv, m)
         drafted, hidden, chain_kv = [], out[-1:], [(k, v) for k, v in cache.kv]

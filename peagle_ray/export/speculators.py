@@ -36,9 +36,11 @@ def export_dir(storage_path: str | Path, run_name: str) -> Path:
 
 
 def drafter_state(drafter: Drafter) -> dict[str, torch.Tensor]:
-    """Weights under their speculators names; d2t/t2d only for a reduced draft vocabulary."""
+    """Weights under their speculators names; d2t/t2d only for a reduced draft vocabulary; feature_scale
+    folded into fc.weight."""
     arch = drafter.arch
     state = {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
+    state["fc.weight"] = state["fc.weight"] * state.pop("feature_scale")  # vLLM's fc reads raw features
     if "mask_hidden" in state:
         state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)  # vLLM reads (1, n_aux * H)
     if arch.draft_vocab_size == arch.vocab_size:

@@ -30,8 +30,15 @@ def save_checkpoint(directory: Path, drafter, optimizer, scheduler, generator, s
     (directory / CHECKPOINT_STATE).write_text(json.dumps({**state, "arch": json.loads(drafter.arch.to_json())}))
 
 
+def drafter_weights(directory: Path, drafter) -> dict:
+    """A checkpoint's drafter tensors; one written before feature_scale existed gets the identity scale."""
+    weights = load_file(str(directory / CHECKPOINT_WEIGHTS))
+    weights.setdefault("feature_scale", torch.ones_like(drafter.feature_scale))
+    return weights
+
+
 def load_checkpoint(directory: Path, drafter, optimizer, scheduler, generator) -> dict:
-    drafter.load_state_dict(load_file(str(directory / CHECKPOINT_WEIGHTS)))
+    drafter.load_state_dict(drafter_weights(directory, drafter))
     extra = torch.load(directory / CHECKPOINT_OPTIMIZER, weights_only=True)  # tensors and numbers only
     optimizer.load_state_dict(extra["optimizer"])
     scheduler.load_state_dict(extra["scheduler"])
@@ -43,7 +50,7 @@ def load_drafter_from_checkpoint(directory: Path):
     """The drafter saved in a training checkpoint directory."""
     arch = DrafterArch(**json.loads((directory / CHECKPOINT_STATE).read_text())["arch"])
     drafter = Drafter(arch)
-    drafter.load_state_dict(load_file(str(directory / CHECKPOINT_WEIGHTS)))
+    drafter.load_state_dict(drafter_weights(directory, drafter))
     return drafter
 
 

@@ -1,0 +1,173 @@
+"""`peagle-ray bench features`: does the drafter draw on the target's hidden states, or mostly on tokens?
+
+On the general capture's validation split (capture.output_dir), for a trained drafter (--peagle DIR, default
+the config's own export), three measurements side by side:
+
+  features   the drafter with the target's aux hidden states as captured, zeroed, and shuffled across the
+             positions of each record: per-depth accuracy (argmax agreement with the target over the draft
+             vocabulary, on every element: no COD drop) and offline greedy acceptance per position and AL
+             (greedy replay, which equals vLLM's counters);
+  counts     what token statistics alone reach on the same elements: a table from the train split mapping
+             the token fed at a position (x_{a+1}) to the target's most frequent choice d + 1 tokens later
+             (depth 0: a bigram table; depth d: a skip-gram), the most frequent choice overall for a token
+             never seen;
+  layers     per aux layer of the captured features: max |h| and the channels holding it, the median RMS
+             of a position, and their ratio (massive activations: a few channels hundreds of times the rest).
+
+    {"drafter", "records": {"train", "validation"}, "features": {"captured"|"zeroed"|"shuffled":
+     {"acc_by_depth", "acceptance_per_position", "acceptance_length"}}, "counts": {"acc_by_depth"},
+     "layers": [{"layer", "max_abs", "top_channels", "median_rms", "max_over_median_rms"}]}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from peagle_ray.config import PeagleConfig, with_values
+
+FEATURES = ("captured", "zeroed", "shuffled")
+
+
+def skipgram_table(inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keys, predictions, fallback): for each distinct input its most frequent label (ties: the smaller
+    label), and the most frequent label overall for inputs never seen.
+
+    e.g. inputs [1, 1, 1, 2], labels [5, 5, 6, 7] -> keys [1, 2], predictions [5, 7], fallback 5."""
+    labels_range = int(labels.max()) + 1
+    pairs, counts = torch.unique(inputs.long() * labels_range + labels.long(), return_counts=True)
+    keys, best = pairs // labels_range, pairs % labels_range  # sorted by key, then label
+    order = torch.argsort(-counts, stable=True)  # the most frequent first, the smaller label on ties
+    order = order[torch.argsort(keys[order], stable=True)]  # grouped by key again, that order kept
+    sorted_keys = keys[order]
+    first = torch.ones_like(sorted_keys, dtype=torch.bool)
+    first[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    keys, best = sorted_keys[first], best[order][first]
+    fallback = int(torch.bincount(labels.long()).argmax())
+    return keys, best, fallback
+
+
+def predict(table: tuple[torch.Tensor, torch.Tensor, int], inputs: torch.Tensor) -> torch.Tensor:
+    """The table's prediction for each input (its fallback for one never seen)."""
+    keys, predictions, fallback = table
+    if len(keys) == 0:
+        return torch.full_like(inputs, fallback)
+    at = torch.searchsorted(keys, inputs).clamp(max=len(keys) - 1)
+    return torch.where(keys[at] == inputs, predictions[at], torch.full_like(inputs, fallback))
+
+
+def depth_pairs(tokens: torch.Tensor, labels: torch.Tensor, supervised: torch.Tensor, depth: int):
+    """(inputs, labels) of the depth-`depth` elements of one sequence: anchor a feeds tokens[a] (x_{a+1}) and
+    is scored on labels[a + depth] (the target's choice for x_{a+2+depth}), when that position is supervised.
+
+    e.g. tokens [10, 11, 12], labels [20, 21, 22], supervised [1, 1, 0], depth 1 -> ([10], [21])."""
+    n = tokens.shape[0] - depth
+    if n <= 0:
+        return tokens[:0], labels[:0]
+    keep = supervised[depth:].bool()
+    return tokens[:n][keep], labels[depth:][keep]
+
+
+def teacher_labels(teacher, seq) -> torch.Tensor:
+    """The target's greedy choice at each position, as a draft-vocabulary index (what accuracy compares to)."""
+    with torch.no_grad():
+        return (teacher.normed(seq.teacher_hidden) @ teacher.head.T).argmax(-1)
+
+
+def count_baseline(teacher, train: list[dict], validation: list[dict], depths: int) -> list[float]:
+    """Per depth: the skip-gram table's accuracy on the validation elements, built from the train records."""
+    from peagle_ray.train.worker import to_sequence
+
+    def pairs(records):
+        seqs = [to_sequence(r) for r in records]
+        labelled = [(s, teacher_labels(teacher, s)) for s in seqs]
+        return [
+            [torch.cat(x) for x in zip(*(depth_pairs(s.tokens, y, s.supervised, d) for s, y in labelled))]
+            for d in range(depths)
+        ]
+
+    accuracy = []
+    for (train_in, train_out), (val_in, val_out) in zip(pairs(train), pairs(validation)):
+        if len(val_in) == 0 or len(train_in) == 0:
+            accuracy.append(math.nan)
+            continue
+        guess = predict(skipgram_table(train_in, train_out), val_in)
+        accuracy.append(round(float((guess == val_out).float().mean()), 4))
+    return accuracy
+
+
+def with_features(records: list[dict], how: str, seed: int) -> list[dict]:
+    """The records with their aux hidden states as captured, zeroed, or shuffled across positions."""
+    if how == "captured":
+        return records
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for record in records:
+        aux = torch.as_tensor(record["aux_hidden"]).float()
+        aux = torch.zeros_like(aux) if how == "zeroed" else aux[torch.randperm(aux.shape[0], generator=generator)]
+        out.append({**record, "aux_hidden": aux})
+    return out
+
+
+def layer_statistics(records: list[dict], num_aux: int, layer_ids: list[int], top: int = 3) -> list[dict]:
+    """Per aux layer over the records: max |h|, the `top` channels by max |h|, the median RMS of a position."""
+    aux = torch.cat([torch.as_tensor(r["aux_hidden"]).float() for r in records])
+    rows = []
+    for layer, chunk in zip(layer_ids, aux.chunk(num_aux, dim=-1)):
+        peak = chunk.abs().amax(0)
+        values, channels = peak.topk(min(top, peak.numel()))
+        median_rms = float(chunk.pow(2).mean(-1).sqrt().median())
+        rows.append(
+            {
+                "layer": layer,
+                "max_abs": round(float(values[0]), 2),
+                "top_channels": [[int(c), round(float(v), 2)] for c, v in zip(channels, values)],
+                "median_rms": round(median_rms, 3),
+                "max_over_median_rms": round(float(values[0]) / median_rms, 1) if median_rms else math.inf,
+            }
+        )
+    return rows
+
+
+def run(
+    cfg: PeagleConfig,
+    drafters: dict[str, Path],
+    validation_records: int = 16,
+    progress=print,
+) -> dict:
+    """The module docstring's result for the P-EAGLE drafter in `drafters` (--peagle, or the config's export)."""
+    from peagle_ray.bench.learning import initial_drafter, split_records
+    from peagle_ray.train.job import check_inputs
+    from peagle_ray.train.worker import validate
+
+    if "peagle" not in drafters:
+        raise FileNotFoundError("bench features needs a P-EAGLE drafter: pass --peagle DIR or train one")
+    drafter_dir = Path(drafters["peagle"])
+    # every element scored (no COD drop), and the drafter as exported
+    fcfg = with_values(cfg, {"training.init_from": str(drafter_dir), "drafter.cod_keep_ratio": 1.0})
+    train, validation = split_records(fcfg, validation_records)
+    drafter, teacher = initial_drafter(fcfg)
+    depths = fcfg.drafter.trained_depths
+    result = {
+        "drafter": str(drafter_dir),
+        "records": {"train": len(train), "validation": len(validation)},
+        "features": {},
+    }
+    for how in FEATURES:
+        val = validate(
+            drafter, teacher, with_features(validation, how, cfg.training.seed), fcfg, torch.Generator().manual_seed(0)
+        )
+        k = fcfg.drafter.num_depths
+        result["features"][how] = {
+            "acc_by_depth": [round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(depths)],
+            "acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
+            "acceptance_length": round(val["val/acceptance_length"], 4),
+        }
+        progress(f"[features] {how}: {result['features'][how]}")
+    result["counts"] = {"acc_by_depth": count_baseline(teacher, train, validation, depths)}
+    progress(f"[features] skip-gram counts: {result['counts']}")
+    layer_ids = check_inputs(fcfg)["aux_layer_ids"]
+    result["layers"] = layer_statistics(validation, len(layer_ids), list(layer_ids))
+    return result

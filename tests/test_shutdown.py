@@ -66,8 +66,8 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "peagle_ray.cli", *args]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_a_stop_signal_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path, signum):
+def test_sighup_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path):
+    """SIGHUP (the terminal closed) here, SIGTERM to the demo below: both stop signals end to end."""
     port = free_port()
     server = start_and_wait(
         cli(
@@ -88,7 +88,7 @@ def test_a_stop_signal_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_p
         "endpoint: http",
     )
     assert port in listening_ports([psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)])
-    stop_and_check(server, signum, tmp_path / "serve.log")
+    stop_and_check(server, signal.SIGHUP, tmp_path / "serve.log")
 
 
 def test_sigterm_to_the_demo_mid_run_stops_mlflow_ray_and_the_target(tiny_target, tmp_path):

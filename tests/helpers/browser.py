@@ -34,7 +34,7 @@ def render_dom(url: str, wait_ms: int = 20000) -> str:
     return result.stdout
 
 
-def render_until(url: str, *needles: str, budgets_ms: tuple[int, ...] = (20000, 40000, 80000)) -> str:
+def render_until(url: str, *needles: str, budgets_ms: tuple[int, ...] = (20000, 40000, 80000, 160000)) -> str:
     """The page's DOM once every needle is in it, rendering again with more virtual time while one is missing
     (a loaded machine draws the MLflow UI's charts later); the last DOM if they never all appear."""
     dom = ""

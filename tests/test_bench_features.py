@@ -33,6 +33,6 @@ def test_feature_ablations_zero_or_permute_positions_and_keep_the_rest():
 def test_layer_statistics_find_the_massive_channel():
     aux = torch.ones(8, 6)  # 2 aux layers of 3 channels
     aux[3, 4] = -300.0  # layer 2, channel 1
-    first, second = layer_statistics([{"aux_hidden": aux}], 2, [3, 7], top=2)
+    first, second = layer_statistics([{"aux_hidden": aux}], [3, 7], top=2)
     assert first["layer"] == 3 and first["max_abs"] == 1.0 and first["max_over_median_rms"] == 1.0
     assert second["top_channels"][0] == [1, 300.0] and second["max_over_median_rms"] == 300.0

@@ -111,11 +111,11 @@ def with_features(records: list[dict], how: str, seed: int) -> list[dict]:
     return out
 
 
-def layer_statistics(records: list[dict], num_aux: int, layer_ids: list[int], top: int = 3) -> list[dict]:
+def layer_statistics(records: list[dict], layer_ids: list[int], top: int = 3) -> list[dict]:
     """Per aux layer over the records: max |h|, the `top` channels by max |h|, the median RMS of a position."""
     aux = torch.cat([torch.as_tensor(r["aux_hidden"]).float() for r in records])
     rows = []
-    for layer, chunk in zip(layer_ids, aux.chunk(num_aux, dim=-1)):
+    for layer, chunk in zip(layer_ids, aux.chunk(len(layer_ids), dim=-1)):
         peak = chunk.abs().amax(0)
         values, channels = peak.topk(min(top, peak.numel()))
         median_rms = float(chunk.pow(2).mean(-1).sqrt().median())
@@ -139,7 +139,7 @@ def run(
 ) -> dict:
     """The module docstring's result for the P-EAGLE drafter in `drafters` (--peagle, or the config's export)."""
     from peagle_ray.bench.learning import initial_drafter, split_records
-    from peagle_ray.train.job import check_inputs
+    from peagle_ray.target import read_target_info, resolve_target_path
     from peagle_ray.train.worker import validate
 
     if "peagle" not in drafters:
@@ -149,7 +149,7 @@ def run(
     fcfg = with_values(cfg, {"training.init_from": str(drafter_dir), "drafter.cod_keep_ratio": 1.0})
     train, validation = split_records(fcfg, validation_records)
     drafter, teacher = initial_drafter(fcfg)
-    depths = fcfg.drafter.trained_depths
+    depths, k = fcfg.drafter.trained_depths, fcfg.drafter.num_depths
     result = {
         "drafter": str(drafter_dir),
         "records": {"train": len(train), "validation": len(validation)},
@@ -159,7 +159,6 @@ def run(
         val = validate(
             drafter, teacher, with_features(validation, how, cfg.training.seed), fcfg, torch.Generator().manual_seed(0)
         )
-        k = fcfg.drafter.num_depths
         result["features"][how] = {
             "acc_by_depth": [round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(depths)],
             "acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
@@ -168,6 +167,6 @@ def run(
         progress(f"[features] {how}: {result['features'][how]}")
     result["counts"] = {"acc_by_depth": count_baseline(teacher, train, validation, depths)}
     progress(f"[features] skip-gram counts: {result['counts']}")
-    layer_ids = check_inputs(fcfg)["aux_layer_ids"]
-    result["layers"] = layer_statistics(validation, len(layer_ids), list(layer_ids))
+    layer_ids = read_target_info(resolve_target_path(cfg)).aux_layer_ids(cfg.capture.aux_layer_ids)
+    result["layers"] = layer_statistics(validation, list(layer_ids))
     return result

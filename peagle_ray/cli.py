@@ -502,6 +502,24 @@ BENCHES = {
         ),
         ("cfg", "drafters", "progress"),
     ),
+    "peers": Bench(
+        "peers",
+        "run",
+        "Beside the alternatives, in one run: our P-EAGLE and EAGLE-3 and speculators 0.9's P-EAGLE (the reference "
+        "trainer, installed by scripts/setup.sh) trained on the same offline shards, steps, schedule and seeds, then stock "
+        "vLLM per suite: target alone, those drafters, vLLM's n-gram drafter at K = 2..4 and suffix decoding.",
+        ("steps", "algorithms", "suites", "prompts", "timed", "ngram_k"),
+        (
+            arg("--steps", type=int, help="Training steps of every trainer (default training.max_steps)."),
+            arg("--algorithms", nargs="+", choices=("peagle", "eagle3"), help="Our algorithms trained."),
+            arg("--suites", nargs="+", choices=("mt-bench", "humaneval", "validation"), help="Eval suites."),
+            arg("--prompts", type=int, help="Prompts per suite (spread over its categories)."),
+            arg("--timed", type=int, help="Prompts per suite timed at batch 1 (the rest only count acceptance)."),
+            arg("--ngram-k", type=int, nargs="+", help="K values of vLLM's n-gram drafter."),
+        ),
+        ("cfg", "progress"),
+        tracked=True,
+    ),
     "ablation": Bench(
         "learning",
         "ablation",

@@ -50,6 +50,14 @@ if [ "$EXTRA" = cpu ]; then
   fi
 fi
 
+# The reference trainer `bench peers` and `bench train-memory` run beside ours (never imported by the
+# package elsewhere). --no-deps: its torch/datasets pins would replace the CPU torch wheel; what it needs at
+# run time is already here.
+"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check --no-deps \
+  speculators==0.9.0 hs-connectors==0.9.0 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+"$VENV/bin/python" -c "import speculators.models.peagle.core" \
+  || { echo "setup: the reference trainer (speculators 0.9.0) failed to install or import" >&2; exit 1; }
+
 "$VENV/bin/python" - <<'PY'
 import ray, torch, transformers, vllm, mlflow
 print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "

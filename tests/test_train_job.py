@@ -292,6 +292,18 @@ def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(work
             "target.max_model_len": 1024,
         },
     )
+    # bench peers: ours and the reference trainer on the same shards, then the same stock-vLLM measurement
+    from peagle_ray.bench import peers
+
+    side = peers.run(curve_cfg, steps=2, algorithms=["peagle"], suites=["mt-bench"], prompts=2, timed=1, ngram_k=[2])
+    assert side["training"]["peagle"]["train_tokens"] == side["training"]["reference"]["train_tokens"]  # same data
+    rows = side["suites"]["mt-bench"]
+    assert {"target", "peagle", "reference", "ngram-k2", "suffix"} <= set(rows)
+    for name in ("peagle", "reference", "ngram-k2"):
+        assert rows[name]["greedy_mismatches"] == 0 and 1 <= rows[name]["acceptance_length"] <= K + 1
+    assert side["ngram_best"]["mt-bench"] == "ngram-k2" and "mt-bench_al_vs_reference" in side["goals"]
+    assert peers.log_to_mlflow(curve_cfg, side)["bench-peers"]
+
     curve = learning.learning_curve(curve_cfg, [2, 1], ["peagle"], workdir / "curve", progress=lambda _line: None)
     rows = curve["curves"]["peagle"]
     assert [r["steps"] for r in rows] == [1, 2] and rows[0]["train_tokens"] < rows[1]["train_tokens"]

@@ -8,9 +8,10 @@ positions (N) per second of the second step (the first warms up). A configuratio
 measures the step with the draft lm_head frozen (drafter.freeze_lm_head), as the reference trainer has it;
 `bf16` under bfloat16 autocast (training.precision; CPUs with AMX run bf16 GEMMs ~4x faster than fp32).
 
-Each row also carries `reference_tokens_per_s`: the speculators 0.9 P-EAGLE trainer (patched to run on CPU
-with SDPA) on the same shape, as measured once on this machine kind (2 cores; issue 11) - quoted, not re-run
-here (it is not a dependency) - and `vs_reference`, ours / that figure.
+With speculators installed (scripts/setup.sh does), every (N, K) also runs the speculators 0.9 P-EAGLE step (its
+forward, COD sampling and KL loss, eager on CPU: HF SDPA attention and its eager loss) on the same shape and a
+random target of that shape, in its own subprocess too: the row `trainer: "reference"`, and `vs_reference`
+(ours / its tokens/s, and its peak / ours) on our partitioned row.
 """
 
 from __future__ import annotations
@@ -29,16 +30,6 @@ from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.step import sequence_backward
 
 UNPARTITIONED = 10**9  # a segment length no sequence reaches
-# (N, K) -> base tokens/s of the speculators 0.9 trainer, SmolLM2 shape, DV 32768, fp32 (None: out of memory)
-REFERENCE_TOKENS_PER_S = {
-    (1024, 4): 364.0,
-    (1024, 8): 278.0,
-    (2048, 4): 329.0,
-    (2048, 8): 174.0,
-    (4096, 8): 114.0,
-    (8192, 4): None,
-    (8192, 8): None,
-}
 
 
 def one_step(
@@ -70,20 +61,88 @@ def one_step(
         if device.type == "cuda":
             torch.cuda.synchronize()
         timings.append(time.perf_counter() - start)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if device.type == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated() / 2**20  # the GPU's peak, not the host's
     return {
         "seq_len": seq_len,
         "depths": depths,
         "partitioned": partitioned,
         "elements": stats.elements,
         "segments": stats.segments,
+        **_timing(device, seq_len, timings[-1]),
+    }
+
+
+def _timing(device: torch.device, seq_len: int, seconds: float) -> dict:
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20  # the GPU's peak, not the host's
+    return {
         "device": device.type,
         "peak_rss_mb": round(peak_mb, 1),
-        "tokens_per_s": round(seq_len / timings[-1], 1),
-        "step_s": round(timings[-1], 3),
+        "tokens_per_s": round(seq_len / seconds, 1),
+        "step_s": round(seconds, 3),
     }
+
+
+def reference_step(seq_len: int, depths: int, draft_vocab_size: int) -> dict:
+    """Run in the child process: two speculators 0.9 P-EAGLE steps on the bench shape (its draft lm_head is
+    frozen, as it trains), report the second's time and the peak RSS."""
+    import tempfile
+
+    from peagle_ray.bench.peers import build_reference, reference_loss
+    from peagle_ray.config import build_config
+
+    arch = bench_arch("peagle", depths, draft_vocab_size)
+    drafter, _ = random_drafter(arch)
+    drafter.t2d.zero_()
+    drafter.t2d[: arch.draft_vocab_size] = True  # draft id i is target id i (d2t all zero)
+    with tempfile.TemporaryDirectory(prefix="peagle-shape-target-") as tmp:
+        model = build_reference(shape_target(arch, tmp), drafter, [0, 1, 2])
+    cfg = build_config({"drafter": {"num_depths": depths}})
+    seq = random_sequence(arch, seq_len, torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    timings = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss, metrics = reference_loss(model, seq, cfg)
+        loss.backward()
+        timings.append(time.perf_counter() - start)
+    elements = sum(int(metrics[f"position_{d}_acc_total"]) for d in range(depths))
+    return {
+        "seq_len": seq_len,
+        "depths": depths,
+        "trained_elements": elements,
+        **_timing(torch.device("cpu"), seq_len, timings[-1]),
+    }
+
+
+def shape_target(arch, directory: str) -> str:
+    """A Llama target directory of `arch`'s shape with random embeddings and final norm (what the reference
+    reads from its verifier): config.json and model.safetensors."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=4,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        tie_word_embeddings=True,
+    ).save_pretrained(directory)
+    g = torch.Generator().manual_seed(1)
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(arch.vocab_size, arch.hidden_size, generator=g) * 0.02,
+            "model.norm.weight": torch.ones(arch.hidden_size),
+        },
+        f"{directory}/model.safetensors",
+    )
+    return directory
 
 
 def _run_child(args: list[str], memory_limit_gb: float) -> dict:
@@ -118,7 +177,12 @@ def run(
     progress=print,
     freeze_lm_head: bool = False,
     bf16: bool = False,
+    reference: bool | None = None,
 ) -> dict:
+    """Every (N, K): ours partitioned and not, and the reference (default: when speculators is installed)."""
+    from peagle_ray.bench.peers import reference_available
+
+    reference = reference_available() if reference is None else reference
     rows = []
     for n in seq_lens:
         for k in depths:
@@ -132,15 +196,21 @@ def run(
                     str(int(freeze_lm_head)),
                     str(int(bf16)),
                 ]
-                row = {"seq_len": n, "depths": k, "partitioned": partitioned, **_run_child(args, memory_limit_gb)}
-                reference = (
-                    REFERENCE_TOKENS_PER_S.get((n, k), "not measured") if draft_vocab_size == 32768 else "not measured"
-                )
-                row["reference_tokens_per_s"] = reference
-                if isinstance(reference, float) and row.get("tokens_per_s"):
-                    row["vs_reference"] = round(row["tokens_per_s"] / reference, 3)
+                row = {"seq_len": n, "depths": k, "trainer": "ours", "partitioned": partitioned}
+                row.update(_run_child(args, memory_limit_gb))
                 progress(json.dumps(row))
                 rows.append(row)
+            if reference:
+                ref = {"seq_len": n, "depths": k, "trainer": "reference"}
+                ref.update(_run_child(["reference", str(n), str(k), str(draft_vocab_size)], memory_limit_gb))
+                progress(json.dumps(ref))
+                ours = next(r for r in rows if r["seq_len"] == n and r["depths"] == k and r["partitioned"])
+                if ref.get("tokens_per_s") and ours.get("tokens_per_s"):
+                    ours["vs_reference"] = {
+                        "tokens_per_s": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),
+                        "peak_rss": round(ref["peak_rss_mb"] / ours["peak_rss_mb"], 3),
+                    }
+                rows.append(ref)
     return {
         "hidden_size": 576,
         "layers": 1,
@@ -153,5 +223,8 @@ def run(
 
 
 if __name__ == "__main__":
-    n, k, part, seg, dv, frozen, bf16 = (int(a) for a in sys.argv[1:8])
-    print(json.dumps(one_step(n, k, bool(part), seg, dv, bool(frozen), bool(bf16))))
+    if sys.argv[1] == "reference":
+        print(json.dumps(reference_step(*(int(a) for a in sys.argv[2:5]))))
+    else:
+        n, k, part, seg, dv, frozen, bf16 = (int(a) for a in sys.argv[1:8])
+        print(json.dumps(one_step(n, k, bool(part), seg, dv, bool(frozen), bool(bf16))))

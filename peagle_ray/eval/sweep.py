@@ -93,17 +93,21 @@ def run_engine(
     target_dir: Path,
     spec_config: dict | None,
     prompts: dict[str, list[list[int]]],
-    timing_prompts: int,
+    timing_prompts: int | dict[str, int],
     warmup: list[list[int]] | None = None,
 ) -> dict:
-    """One engine (eval/vllm_run.py) over `prompts`; `warmup` prompts are generated first, unmeasured."""
+    """One engine (eval/vllm_run.py) over `prompts`; the first `timing_prompts` of each category (one count for
+    all, or {category: count}) are timed at batch 1; `warmup` prompts are generated first, unmeasured."""
     import torch
 
     spec = {
         "engine_args": engine_args(cfg, target_dir, torch.cuda.is_available(), spec_config),
         "max_new_tokens": cfg.eval.max_new_tokens,
         "acceptance": prompts,
-        "timing": {c: min(timing_prompts, len(p)) for c, p in prompts.items()},
+        "timing": {
+            c: min(timing_prompts if isinstance(timing_prompts, int) else timing_prompts[c], len(p))
+            for c, p in prompts.items()
+        },
         "warmup": warmup or [],
     }
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:

@@ -1,0 +1,335 @@
+"""`peagle-ray bench peers`: our drafters beside what a user would pick instead, in one run.
+
+On the offline shards (capture.output_dir), from the same initial state of the data:
+  ours       P-EAGLE (and EAGLE-3) trained in one process with the job's own step (bench/learning.py);
+  reference  speculators 0.9's P-EAGLE (`PEagleDraftModel`: its COD sampling, attention mask and KL loss) on
+             the same records in the same order, steps, sequences per step, AdamW lr / weight decay / warm-up
+             + cosine schedule / gradient clip, seed, drafter layers, draft vocabulary, mask token and K. Its
+             trainer's loop itself (distributed, its data format) is not used: the loop here is ours, the
+             forward and loss are theirs. CPU patch at run time: HF's "sdpa" attention instead of compiled
+             flex attention (their GPU default). Its weights carry our names (they are the speculators layout
+             both sides read), so it is exported and served exactly as ours.
+Then, per eval suite (MT-Bench, HumanEval, the validation split), stock vLLM at batch 1 and greedy: the target
+alone, both trainers' drafters at K = drafter.num_depths, vLLM's n-gram drafter (prompt lookup) at K = 2..4 and
+suffix decoding (when arctic-inference's suffix tree is importable; its cache starts empty): acceptance per
+position, AL, tokens/s, speedup against the target alone and mismatches against it. One engine per decoder
+runs every suite's prompts, so all rows share one run.
+
+The reference is optional: scripts/setup.sh installs it with `pip install --no-deps speculators==0.9.0
+hs-connectors==0.9.0` (its own requirements would replace the CPU torch wheel). Without it the reference row
+says so and the rest runs.
+
+    {"steps", "records": {"train", "validation"}, "training": {name: {"train_seconds", "tokens_per_s",
+     "val_acceptance_length", "val_acceptance_per_position", "val_acc_by_depth", ...}},
+     "suites": {suite: {decoder: row}}, "ngram_best": {suite: name}, "goals": {...}}
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from peagle_ray.bench.learning import Progress, bench_dir, initial_drafter, split_records, train_and_measure
+from peagle_ray.config import PeagleConfig, with_values
+
+PEER_INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0"
+SUITES = ("mt-bench", "humaneval", "validation")
+
+
+def reference_available() -> bool:
+    return importlib.util.find_spec("speculators") is not None
+
+
+def build_reference(target_dir: Path, like, aux_layer_ids: list[int]):
+    """speculators' PEagleDraftModel for the target, with `like`'s (our drafter's) draft vocabulary, mask
+    token, K and layer count, initialised by speculators itself (its mask_hidden, its HF layer init)."""
+    from speculators.models.peagle.core import PEagleDraftModel
+    from transformers import AutoConfig
+
+    arch = like.arch
+    verifier = AutoConfig.from_pretrained(target_dir)
+    verifier = getattr(verifier, "text_config", verifier)
+    verifier.num_hidden_layers = arch.num_layers  # the drafter's layers follow the target's layer config
+    return PEagleDraftModel.from_training_args(
+        verifier,
+        t2d=like.t2d.clone(),
+        d2t=like.d2t.clone(),
+        verifier_name_or_path=str(target_dir),
+        target_layer_ids=list(aux_layer_ids),
+        draft_vocab_size=arch.draft_vocab_size,
+        mask_token_id=arch.mask_token_id,
+        num_depths=arch.num_depths,
+        norm_before_residual=arch.norm_before_residual,
+        draft_attn_impl="sdpa",  # the CPU patch: flex attention is their (compiled, GPU) default
+    )
+
+
+def reference_loss(model, seq, cfg: PeagleConfig):
+    """speculators' training forward on one of our training sequences (already shifted to positions: token,
+    aux hidden, supervised flag and teacher hidden of position p, as their data collator lays them out);
+    returns (loss, metrics)."""
+    from speculators.losses import resolve_loss_config
+
+    _, loss, metrics = model(
+        hidden_states=seq.hidden[None],
+        input_ids=seq.tokens[None],
+        document_ids=seq.doc_ids[None],
+        loss_mask=seq.supervised[None].float(),
+        verifier_last_hidden_states=seq.teacher_hidden[None],
+        loss_config=resolve_loss_config("kl_div", "eager"),  # their fused loss needs Triton (GPU)
+        num_depths=cfg.drafter.trained_depths,
+        down_sample_ratio=cfg.drafter.cod_keep_ratio,
+        down_sample_ratio_min=cfg.drafter.cod_min_ratio,
+    )
+    return loss, metrics
+
+
+def reference_train(model, train: list[dict], cfg: PeagleConfig, progress: Progress = print) -> dict:
+    """cfg.training.max_steps steps of the reference on `train`, in train_and_measure's order and batches, with
+    the job's optimizer and schedule (make_optimizer) and gradient clip. Their COD draws from torch's global
+    generator, seeded with training.seed + 1 (ours: a generator with that seed)."""
+    from peagle_ray.train.step import make_optimizer
+    from peagle_ray.train.worker import to_sequence
+
+    tcfg = cfg.training
+    torch.manual_seed(tcfg.seed + 1)
+    optimizer, scheduler = make_optimizer(model, tcfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    tokens, seconds, per_step, loss_sum = 0, 0.0, tcfg.sequences_per_step, 0.0
+    for step in range(tcfg.max_steps):
+        batch = [to_sequence(train[(step * per_step + i) % len(train)]) for i in range(per_step)]
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for seq in batch:
+            loss, _ = reference_loss(model, seq, cfg)
+            (loss / len(batch)).backward()
+            loss_sum += float(loss.detach()) / len(batch)
+        torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        seconds += time.perf_counter() - started
+        tokens += sum(s.num_positions for s in batch)
+        if (step + 1) % max(1, tcfg.max_steps // 10) == 0:
+            progress(json.dumps({"reference_step": step + 1, "loss": round(loss_sum, 4)}))
+    return {
+        "steps": tcfg.max_steps,
+        "train_tokens": tokens,
+        "train_seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "trainable_parameters": sum(p.numel() for p in params),
+        "train_loss": round(loss_sum, 4),
+    }
+
+
+def to_drafter(model, like):
+    """Our Drafter holding the reference's weights (same names and shapes: the speculators layout); refuses a
+    tensor that does not carry over."""
+    drafter = copy.deepcopy(like)
+    theirs = {k: v for k, v in model.state_dict().items() if not k.startswith("verifier_")}
+    missing, unexpected = drafter.load_state_dict(theirs, strict=False)
+    if unexpected or set(missing) - {"feature_scale"}:
+        raise ValueError(f"reference weights do not map onto the drafter: missing {missing}, unexpected {unexpected}")
+    drafter.feature_scale.fill_(1.0)
+    return drafter
+
+
+def train_all(cfg: PeagleConfig, algorithms, work_dir: Path, progress: Progress) -> tuple[dict, dict, dict]:
+    """Train ours (per algorithm) and the reference on the same records; ({name: training row}, {name: export
+    dir}, records)."""
+    from peagle_ray.export.speculators import export_drafter
+    from peagle_ray.train.job import check_inputs
+    from peagle_ray.train.worker import validate
+
+    train, validation = split_records(cfg, cfg.training.validation_records)
+    inputs = check_inputs(cfg)
+    target_dir, layer_ids, k = inputs["info"].path, inputs["aux_layer_ids"], cfg.drafter.num_depths
+    rows, exports = {}, {}
+
+    for algorithm in algorithms:
+        acfg = with_values(cfg, {"drafter.algorithm": algorithm})
+
+        def export(drafter, teacher, steps, name=algorithm):
+            exports[name] = export_drafter(drafter, work_dir / name, target_dir, layer_ids, k)
+            return {}
+
+        (rows[algorithm],) = train_and_measure(acfg, train, validation, [cfg.training.max_steps], export, progress)
+
+    if not reference_available():
+        rows["reference"] = {"skipped": f"speculators is not installed: {PEER_INSTALL}"}
+    else:
+        like, teacher = initial_drafter(with_values(cfg, {"drafter.algorithm": "peagle"}))
+        model = build_reference(target_dir, like, layer_ids)
+        row = reference_train(model, train, with_values(cfg, {"drafter.algorithm": "peagle"}), progress)
+        drafter = to_drafter(model, like)
+        val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(cfg.training.seed))
+        row.update(
+            {
+                "val_acceptance_length": round(val["val/acceptance_length"], 4),
+                "val_acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
+                "val_acc_by_depth": [
+                    round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(cfg.drafter.trained_depths)
+                ],
+            }
+        )
+        progress(json.dumps({"algorithm": "reference", **row}))
+        rows["reference"] = row
+        exports["reference"] = export_drafter(drafter, work_dir / "reference", target_dir, layer_ids, k)
+    return rows, exports, {"train": len(train), "validation": len(validation)}
+
+
+def suite_prompts(cfg: PeagleConfig, target_dir: Path, suites, per_suite: int, timed_per_suite: int):
+    """({"suite/category": prompt ids}, {"suite/category": timed count}): about `per_suite` prompts per suite
+    spread over its categories, the first `timed_per_suite` of them timed at batch 1."""
+    from peagle_ray.eval.sweep import eval_prompts
+
+    prompts, timing = {}, {}
+    for suite in suites:
+        found = eval_prompts(
+            with_values(cfg, {"eval.suite": suite, "eval.prompts_per_category": per_suite}), target_dir
+        )
+        each, timed = max(1, per_suite // len(found)), max(1, timed_per_suite // len(found))
+        for category, ids in found.items():
+            prompts[f"{suite}/{category}"] = ids[:each]
+            timing[f"{suite}/{category}"] = min(timed, len(ids[:each]))
+    return prompts, timing
+
+
+def of_suite(run: dict, suite: str) -> dict:
+    """An engine run's result restricted to one suite's categories."""
+    pick = lambda part: {c: v for c, v in part.items() if c.startswith(f"{suite}/")}  # noqa: E731
+    return {"acceptance": pick(run["acceptance"]), "timing": pick(run["timing"])}
+
+
+def decoders(exports: dict, k: int, ngram_k) -> dict[str, dict]:
+    from peagle_ray.export.speculators import read_drafter, speculative_config
+
+    found = {name: speculative_config(read_drafter(path), k) for name, path in exports.items()}
+    for n in ngram_k:
+        found[f"ngram-k{n}"] = {
+            "method": "ngram",
+            "num_speculative_tokens": n,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    found["suffix"] = {"method": "suffix", "num_speculative_tokens": k}
+    return found
+
+
+def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int, ngram_k, progress) -> dict:
+    """{suite: {decoder: row}}: one engine per decoder over every suite's prompts."""
+    from peagle_ray.bench.adapt import suffix_available
+    from peagle_ray.eval.sweep import run_engine, summarize
+    from peagle_ray.target import resolve_target_path
+
+    target = resolve_target_path(cfg)
+    prompts, timing = suite_prompts(cfg, target, suites, per_suite, timed)
+    k = cfg.drafter.num_depths
+    baseline = run_engine(cfg, target, None, prompts, timing)
+    result = {s: {"target": summarize(0, of_suite(baseline, s), of_suite(baseline, s))["overall"]} for s in suites}
+    for name, spec in decoders(exports, k, ngram_k).items():
+        if name == "suffix" and not suffix_available():
+            for s in suites:
+                result[s][name] = {
+                    "skipped": "suffix decoding needs arctic-inference: scripts/build_suffix_decoding.sh"
+                }
+            continue
+        progress(f"bench peers: measuring {name} ({spec.get('method')}) on {', '.join(suites)}")
+        try:
+            run = run_engine(cfg, target, spec, prompts, timing)
+        except RuntimeError as err:  # a peer that fails to run is reported; the figures measured so far stay
+            if name in exports:
+                raise
+            for s in suites:
+                result[s][name] = {"failed": str(err)}
+            continue
+        for s in suites:
+            result[s][name] = summarize(spec["num_speculative_tokens"], of_suite(baseline, s), of_suite(run, s))[
+                "overall"
+            ]
+    return result
+
+
+def best_ngram(rows: dict) -> str | None:
+    """The n-gram row with the most tokens/s (None when none ran)."""
+    ran = {n: r for n, r in rows.items() if n.startswith("ngram") and "tokens_per_s" in r}
+    return max(sorted(ran), key=lambda n: ran[n]["tokens_per_s"]) if ran else None
+
+
+def goals(result: dict) -> dict:
+    """The issue's goals, each (measured ratio or value, met) where measurable."""
+    out = {}
+    training = result["training"]
+    ours, ref = training.get("peagle", {}), training.get("reference", {})
+    if "val_acceptance_length" in ref and "val_acceptance_length" in ours:
+        ratio = ours["val_acceptance_length"] / ref["val_acceptance_length"]
+        out["validation_al_vs_reference"] = (round(ratio, 3), ratio >= 1.15)
+    for suite, rows in result["suites"].items():
+        if "acceptance_length" in rows.get("reference", {}) and "acceptance_length" in rows.get("peagle", {}):
+            ratio = rows["peagle"]["acceptance_length"] / rows["reference"]["acceptance_length"]
+            out[f"{suite}_al_vs_reference"] = (round(ratio, 3), ratio >= 1.15)
+        best = result["ngram_best"].get(suite)
+        if best and "speedup" in rows.get("peagle", {}):
+            out[f"{suite}_speedup_vs_{best}"] = (
+                rows["peagle"]["speedup"],
+                rows["peagle"]["speedup"] >= rows[best]["speedup"],
+            )
+    return out
+
+
+def run(
+    cfg: PeagleConfig,
+    steps: int | None = None,
+    algorithms: tuple[str, ...] = ("peagle", "eagle3"),
+    suites: tuple[str, ...] = SUITES,
+    prompts: int = 16,
+    timed: int = 8,
+    ngram_k: tuple[int, ...] = (2, 3, 4),
+    progress: Progress = print,
+) -> dict:
+    """Train ours and the reference for `steps` (default training.max_steps), then measure every decoder on
+    `suites` (about `prompts` prompts per suite, `timed` of them timed at batch 1)."""
+    steps = steps or cfg.training.max_steps
+    cfg = with_values(cfg, {"training.max_steps": steps})
+    work_dir = bench_dir(cfg, "peers")
+    suites = list(suites)
+    training, exports, records = train_all(cfg, list(algorithms), work_dir, progress)
+    result = {
+        "steps": steps,
+        "k": cfg.drafter.num_depths,
+        "records": records,
+        "training": training,
+        "reference": "speculators 0.9.0 PEagleDraftModel (its forward, COD and KL loss; our loop and schedule)",
+    }
+    result["suites"] = measure(cfg, exports, suites, prompts, timed, list(ngram_k), progress)
+    result["ngram_best"] = {s: best_ngram(rows) for s, rows in result["suites"].items()}
+    result["goals"] = goals(result)
+    return result
+
+
+def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:
+    """One run `bench-peers`: per suite and decoder its numeric fields (`bench-peers/<suite>_<decoder>_<field>`),
+    the training rows, and result.json."""
+    from peagle_ray.tracking import log_rows, tracking_uri
+
+    work = bench_dir(cfg, "peers")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "result.json").write_text(json.dumps(result, indent=2))
+    flat = {"step": result["steps"]}
+    for suite, rows in result["suites"].items():
+        for decoder, row in rows.items():
+            flat.update({f"{suite}_{decoder}_{k}": v for k, v in row.items() if isinstance(v, (int, float, list))})
+    for name, row in result["training"].items():
+        flat.update({f"train_{name}_{k}": v for k, v in row.items() if isinstance(v, (int, float, list))})
+    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+        return {
+            "bench-peers": log_rows(
+                uri, cfg, "bench-peers", [flat], "step", "bench-peers", [work / "result.json"], work
+            )
+        }

@@ -49,9 +49,11 @@ def reference_available() -> bool:
 def build_reference(target_dir: Path, like, aux_layer_ids: list[int]):
     """speculators' PEagleDraftModel for the target, with `like`'s (our drafter's) draft vocabulary, mask
     token, K and layer count, initialised by speculators itself (its mask_hidden, its HF layer init)."""
+    from loguru import logger
     from speculators.models.peagle.core import PEagleDraftModel
     from transformers import AutoConfig
 
+    logger.disable("speculators")  # its per-file loading lines; errors still raise
     arch = like.arch
     verifier = AutoConfig.from_pretrained(target_dir)
     verifier = getattr(verifier, "text_config", verifier)
@@ -240,7 +242,7 @@ def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int
                     "skipped": "suffix decoding needs arctic-inference: scripts/build_suffix_decoding.sh"
                 }
             continue
-        progress(f"bench peers: measuring {name} ({spec.get('method')}) on {', '.join(suites)}")
+        progress(f"bench peers: measuring {name} on {', '.join(suites)}")
         try:
             run = run_engine(cfg, target, spec, prompts, timing)
         except RuntimeError as err:  # a peer that fails to run is reported; the figures measured so far stay

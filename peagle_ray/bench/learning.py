@@ -70,6 +70,23 @@ def initial_drafter(cfg: PeagleConfig):
     return drafter, teacher
 
 
+def validation_row(cfg: PeagleConfig, drafter, teacher, validation: list[dict]) -> dict:
+    """The job's validation of `drafter` on `validation` (seeded with training.seed), as a benchmark row's
+    val_acceptance_length, val_acceptance_per_position and val_acc_by_depth."""
+    from peagle_ray.train.worker import validate
+
+    val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(cfg.training.seed))
+    return {
+        "val_acceptance_length": round(val["val/acceptance_length"], 4),
+        "val_acceptance_per_position": [
+            round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(cfg.drafter.num_depths)
+        ],
+        "val_acc_by_depth": [
+            round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(cfg.drafter.trained_depths)
+        ],
+    }
+
+
 def train_and_measure(
     cfg: PeagleConfig,
     train: list[dict],
@@ -82,7 +99,7 @@ def train_and_measure(
     through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
     `measure(drafter, teacher, steps)` for extra figures, and append a row."""
     from peagle_ray.train.step import make_optimizer, train_step
-    from peagle_ray.train.worker import to_sequence, validate
+    from peagle_ray.train.worker import to_sequence
 
     tcfg = cfg.training
     drafter, teacher = initial_drafter(cfg)
@@ -98,8 +115,6 @@ def train_and_measure(
         tokens += stats.positions
         if step + 1 not in budgets:
             continue
-        val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(tcfg.seed))
-        k = cfg.drafter.num_depths
         row = {
             "steps": step + 1,
             "train_tokens": tokens,
@@ -108,11 +123,7 @@ def train_and_measure(
             "tokens_per_s": round(tokens / seconds, 1),
             "trainable_parameters": trainable,
             "train_loss": round(stats.loss, 4),
-            "val_acceptance_length": round(val["val/acceptance_length"], 4),
-            "val_acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
-            "val_acc_by_depth": [
-                round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(cfg.drafter.trained_depths)
-            ],
+            **validation_row(cfg, drafter, teacher, validation),
         }
         if measure is not None:
             row.update(measure(drafter, teacher, step + 1))

@@ -29,13 +29,19 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
-from peagle_ray.bench.learning import Progress, bench_dir, initial_drafter, split_records, train_and_measure
+from peagle_ray.bench.learning import (
+    Progress,
+    bench_dir,
+    initial_drafter,
+    split_records,
+    train_and_measure,
+    validation_row,
+)
 from peagle_ray.config import PeagleConfig, with_values
 
 PEER_INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0"
@@ -147,7 +153,6 @@ def train_all(cfg: PeagleConfig, algorithms, work_dir: Path, progress: Progress)
     dir}, records)."""
     from peagle_ray.export.speculators import export_drafter
     from peagle_ray.train.job import check_inputs
-    from peagle_ray.train.worker import validate
 
     train, validation = split_records(cfg, cfg.training.validation_records)
     inputs = check_inputs(cfg)
@@ -166,20 +171,12 @@ def train_all(cfg: PeagleConfig, algorithms, work_dir: Path, progress: Progress)
     if not reference_available():
         rows["reference"] = {"skipped": f"speculators is not installed: {PEER_INSTALL}"}
     else:
-        like, teacher = initial_drafter(with_values(cfg, {"drafter.algorithm": "peagle"}))
+        pcfg = with_values(cfg, {"drafter.algorithm": "peagle"})
+        like, teacher = initial_drafter(pcfg)
         model = build_reference(target_dir, like, layer_ids)
-        row = reference_train(model, train, with_values(cfg, {"drafter.algorithm": "peagle"}), progress)
+        row = reference_train(model, train, pcfg, progress)
         drafter = to_drafter(model, like)
-        val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(cfg.training.seed))
-        row.update(
-            {
-                "val_acceptance_length": round(val["val/acceptance_length"], 4),
-                "val_acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
-                "val_acc_by_depth": [
-                    round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(cfg.drafter.trained_depths)
-                ],
-            }
-        )
+        row.update(validation_row(pcfg, drafter, teacher, validation))
         progress(json.dumps({"algorithm": "reference", **row}))
         rows["reference"] = row
         exports["reference"] = export_drafter(drafter, work_dir / "reference", target_dir, layer_ids, k)

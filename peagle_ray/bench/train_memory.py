@@ -200,11 +200,12 @@ def run(
                 row.update(_run_child(args, memory_limit_gb))
                 progress(json.dumps(row))
                 rows.append(row)
+                if partitioned:
+                    ours = row  # vs_reference goes on our partitioned row
             if reference:
                 ref = {"seq_len": n, "depths": k, "trainer": "reference"}
                 ref.update(_run_child(["reference", str(n), str(k), str(draft_vocab_size)], memory_limit_gb))
                 progress(json.dumps(ref))
-                ours = next(r for r in rows if r["seq_len"] == n and r["depths"] == k and r["partitioned"])
                 if ref.get("tokens_per_s") and ours.get("tokens_per_s"):
                     ours["vs_reference"] = {
                         "tokens_per_s": round(ours["tokens_per_s"] / ref["tokens_per_s"], 3),

@@ -197,10 +197,14 @@ class DrafterConfig(_Section):
     """Keep the draft lm_head at its initial value, the target's lm_head rows of the draft vocabulary (as the
     speculators reference trainer does): DV x H fewer trained parameters and no head gradient GEMM."""
 
-    frozen: list[str] = Field(default_factory=list)
+    frozen: list[str] = Field(default_factory=lambda: ["embed_tokens"])
     """Parameter-name prefixes kept at their initial (or training.init_from) values, e.g. ["embed_tokens", "fc"]
     trains only the decoder layer, the norms and P-EAGLE's mask_hidden (adaptation on little traffic). Names as
-    in the exported model.safetensors; a prefix that names no parameter is refused."""
+    in the exported model.safetensors; a prefix that names no parameter is refused. `[]` trains everything.
+    By default the embedding table (the target's) stays frozen for P-EAGLE too, unlike the paper and the
+    speculators trainer: on SmolLM2 at 120 steps it reached the same validation AL (1.176 vs 1.174) with a
+    1.32x faster step and 5.1M instead of 33.4M trained parameters (README, frozen-embedding ablation); the mask
+    token's input still learns through mask_hidden."""
 
     normalize_features: bool = False
     """Scale each channel of the target's aux hidden states to unit RMS before fc (measured on the first 64

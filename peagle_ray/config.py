@@ -143,6 +143,11 @@ class CaptureConfig(_Section):
     shard_size: int = Field(default=64, gt=0)
     """Records per offline shard file (capture.mode offline)."""
 
+    epoch_cache_gb: float = Field(default=8.0, ge=0.0)
+    """Online mode: each training worker keeps up to this many GB of the records it received in the first epoch
+    in a file on its local temp disk, and replays them in later epochs instead of capturing them through the
+    target again. A worker whose first epoch outgrows it re-captures every epoch; 0 always re-captures."""
+
     num_replicas: int = Field(default=1, gt=0)
     """Replicas of the Serve-hosted target the capture actors share (Serve routes each request to one).
     Scale capture out with more replicas on more nodes (or GPUs) and capture.num_actors >= num_replicas."""
@@ -386,6 +391,12 @@ class ServingConfig(_Section):
 
     num_speculative_tokens: int | None = Field(default=None, ge=1)
     """K used when serving. None takes the drafter's recommended K (or drafter.num_depths)."""
+
+    draft_max_batch_size: int | None = Field(default=None, ge=1)
+    """Draft only while at most this many requests run at once; above it the endpoint decodes with the target
+    alone (vLLM's num_speculative_tokens_per_batch_size schedule). None drafts at every batch size. Verifying
+    K drafts per request costs more than it saves once the batch fills the hardware: measure the crossover
+    with `peagle-ray bench load --clients N` against the target alone served the same way."""
 
     num_gpus: float = Field(default=0, ge=0)
     """GPUs the endpoint replica takes (Ray actor option num_gpus). 0 runs its vLLM engine on CPU."""

@@ -37,7 +37,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.eval.sweep import evaluate
     from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import endpoint_banner, start_endpoint, stop_endpoint
+    from peagle_ray.serve.app import drafting_line, endpoint_banner, start_endpoint, stop_endpoint
     from peagle_ray.tracking import tracking_uri
 
     started = time.monotonic()
@@ -52,10 +52,12 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
             evaluated = evaluate(cfg, drafters)
             _stage("serve the P-EAGLE drafter", started)
             target = Path(cfg.target.path)
-            url = start_endpoint(cfg, target, read_drafter(drafters["peagle"]))
+            drafter = read_drafter(drafters["peagle"])
+            url = start_endpoint(cfg, target, drafter)
             print(
                 f"\n{evaluated['table']}\n\nresults: {evaluated['json']}\nMLflow UI: {uri}\n"
                 f"{endpoint_banner(url, cfg).replace('MODEL', target.name)}\n"
+                f"{drafting_line(drafter, cfg.serving.num_speculative_tokens)}\n"
                 f"[demo] done in {(time.monotonic() - started) / 60:.1f} min",
                 flush=True,
             )

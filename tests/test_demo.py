@@ -61,10 +61,15 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
             "greedy_mismatches",
         }
         assert overall["greedy_mismatches"] == 0 and overall["tokens_per_s"] > 0
-        assert len(overall["acceptance_per_position"]) == 2 and results[algorithm]["recommended_k"] == 2
+        assert len(overall["acceptance_per_position"]) == 2 and results[algorithm]["recommended_k"] in (0, 2)
         assert set(results[algorithm]["by_k"][2]) == {*results["categories"], "overall"}
     assert results["greedy_mismatches"] == 0 and "speedup_vs_eagle3" in results["peagle"]["best"]["overall"]
-    assert isinstance(answers[0], str) and answers[1]["algorithm"] == "peagle" and answers[1]["drafts"] > 0
+    assert isinstance(answers[0], str)
+    if results["peagle"]["recommended_k"]:  # measured faster than the target alone: served with its drafter
+        assert answers[1]["algorithm"] == "peagle" and answers[1]["drafts"] > 0 and "drafter:  peagle at K = 2" in out
+    else:  # a random tiny drafter is usually slower: the endpoint serves the target alone and says why
+        assert answers[1]["algorithm"] is None and answers[1]["drafts"] == 0
+        assert "the target alone is served" in out and results["peagle"]["recommendation"] in out
     assert "| Category | Pos 1 | Pos 2 | Avg Length |" in out and "MLflow UI: http://127.0.0.1:" in out
     assert "curl" in out and outcome["endpoint"] in out
     client = MlflowClient(f"sqlite:///{Path(cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")

@@ -6,7 +6,17 @@ from pathlib import Path
 import pytest
 
 from peagle_ray.bench.e2e import goal
-from peagle_ray.eval.sweep import format_table, recommend_k, set_drafter_k, summarize
+from peagle_ray.eval.sweep import (
+    fastest_k,
+    format_table,
+    prompt_speedups,
+    recommend_k,
+    set_drafter_k,
+    standard_error,
+    summarize,
+    write_recommendation,
+)
+from peagle_ray.export.speculators import Recommendation
 from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
 
 BASELINE = {
@@ -46,6 +56,8 @@ def test_summarize_per_category_and_overall():
         "tokens_per_s": 20.0,
         "baseline_tokens_per_s": 10.0,
         "speedup": 2.0,
+        "speedup_se": None,  # no per-prompt timings in these literal outputs
+        "timed_prompts": 0,
         "step_cost_vs_target": 1.25,
         "greedy_mismatches": 0,
     }
@@ -78,7 +90,58 @@ def test_goal_says_the_acceptance_length_it_needs():
 
 def test_recommended_k_is_the_fastest_and_the_smaller_on_ties():
     by_k = {k: {"overall": {"tokens_per_s": tps}} for k, tps in {2: 30.0, 4: 41.0, 6: 41.0, 8: 39.0}.items()}
-    assert recommend_k(by_k) == 4
+    assert fastest_k(by_k) == 4
+
+
+def by_k_at(speedups: dict[int, tuple[float, float | None]]) -> dict:
+    return {
+        k: {"overall": {"tokens_per_s": 10 * s, "speedup": s, "speedup_se": se, "timed_prompts": 8}}
+        for k, (s, se) in speedups.items()
+    }
+
+
+def test_drafting_is_recommended_only_when_measurably_faster_than_the_target_alone():
+    clear = recommend_k(by_k_at({2: (1.10, 0.02), 4: (1.30, 0.05)}))
+    assert clear == Recommendation(True, 4, clear.reason) and "1.30x" in clear.reason and "+- 0.05" in clear.reason
+    within_noise = recommend_k(by_k_at({2: (0.95, 0.02), 4: (1.05, 0.04)}))  # 1.05 - 2 x 0.04 <= 1
+    assert not within_noise.draft and within_noise.k == 4
+    assert within_noise.reason.startswith("no K is measurably faster than the target alone")
+    slower = recommend_k(by_k_at({2: (0.90, None), 4: (0.80, None)}))
+    assert not slower.draft and slower.k == 2 and "fewer than 2 timed prompts" in slower.reason
+    assert recommend_k(by_k_at({3: (1.2, None)})).draft  # one timed prompt: the point estimate decides
+
+
+def test_per_prompt_speedups_and_their_standard_error():
+    assert prompt_speedups([[10, 1.0], [10, 2.0]], [[10, 2.0], [10, 2.0]]) == [2.0, 1.0]
+    assert standard_error([2.0, 1.0]) == pytest.approx(0.5) and standard_error([1.3]) is None
+    base = {
+        **BASELINE,
+        "timing": {c: {**t, "per_prompt": [[t["tokens"], t["seconds"]]]} for c, t in BASELINE["timing"].items()},
+    }
+    run = {**RUN, "timing": {c: {**t, "per_prompt": [[t["tokens"], t["seconds"]]]} for c, t in RUN["timing"].items()}}
+    rows = summarize(3, base, run)
+    assert rows["coding"]["timed_prompts"] == 1 and rows["coding"]["speedup_se"] is None
+    assert rows["overall"]["timed_prompts"] == 2 and rows["overall"]["speedup_se"] == pytest.approx(0.375, abs=1e-3)
+
+
+def test_no_drafting_serves_the_target_alone_and_says_why(tmp_path):
+    from peagle_ray.export.speculators import DrafterInfo
+    from peagle_ray.serve.app import drafting_line, served_drafter
+
+    config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    verdict = Recommendation(False, 4, "no K is measurably faster than the target alone: ...")
+    write_recommendation(tmp_path, verdict)
+    assert json.loads((tmp_path / "config.json").read_text())["speculators_config"]["proposal_methods"][0] == {
+        "speculative_tokens": 4  # the fastest K, for anyone who forces drafting
+    }
+    assert Recommendation.read(tmp_path) == verdict
+    drafter = DrafterInfo(str(tmp_path), "peagle", 4, verdict)
+    assert served_drafter(drafter, None) is None and served_drafter(drafter, 3) is drafter  # a K asked for wins
+    assert "the target alone is served" in drafting_line(drafter) and verdict.reason in drafting_line(drafter)
+    drafting = DrafterInfo(str(tmp_path), "peagle", 4, Recommendation(True, 4, "1.30x"))
+    assert served_drafter(drafting, None) is drafting and "peagle at K = 4" in drafting_line(drafting)
+    assert served_drafter(DrafterInfo(str(tmp_path), "peagle", 4), None) is not None  # never evaluated: drafts
 
 
 def test_recommended_k_goes_into_the_drafter_config(tmp_path):
@@ -98,6 +161,8 @@ def test_table_has_positions_and_avg_length_per_category():
     assert lines[1] == "| Category | Pos 1 | Pos 2 | Pos 3 | Avg Length | tok/s | speedup |"
     assert "| coding | 80.0 | 50.0 | 10.0 | 2.40 | 20.0 | 2.00x |" in lines
     assert lines[-1] == "greedy mismatches against the target alone: 1"
+    none = format_table({"peagle": {"best": rows, "best_k": 3, "recommended_k": 0}, "greedy_mismatches": 0})
+    assert none.splitlines()[0] == "peagle (at its fastest K = 3; recommended: no drafting, the target alone is served)"
 
 
 class _Metric:

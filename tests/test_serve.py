@@ -40,7 +40,13 @@ def record_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_target, drafter_dir, record_dir, ray_local):
-    serving = {"port": free_port(), "api_token": TOKEN, "max_tokens_limit": 64, "max_prompt_tokens": 200}
+    serving = {
+        "port": free_port(),
+        "api_token": TOKEN,
+        "max_tokens_limit": 64,
+        "max_prompt_tokens": 200,
+        "draft_max_batch_size": 2,  # the batch cutoff: above 2 running requests, the target alone decodes
+    }
     cfg = build_config(
         {
             "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
@@ -116,6 +122,37 @@ def test_completions_chat_and_streaming_equal_target_greedy(endpoint, tiny_targe
         extra_body={"ignore_eos": True, "skip_special_tokens": False},
     )
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == expected
+
+
+def stats_of(url) -> dict:
+    request = urllib.request.Request(f"{url}/v1/speculative_stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_above_the_batch_cutoff_the_target_decodes_alone_and_stays_lossless(endpoint, tiny_target):
+    url, model = endpoint
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    api = client(url)
+    before = stats_of(url)["drafts"]
+    api.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    alone = stats_of(url)["drafts"] - before
+    prompts = [*PROMPTS, "class Server:"]  # 4 requests in one batch: above draft_max_batch_size = 2
+    batch = api.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    batched = stats_of(url)["drafts"] - before - alone
+    for choice in batch.choices:
+        ids = tokenizer(prompts[choice.index])["input_ids"]
+        assert choice.token_ids == hf_greedy(tiny_target, ids, 16), prompts[choice.index]
+    # alone: a draft at every step (16 tokens, >= 16 / (K + 1) steps); drafting at batch 4 would be >= 16
+    assert alone >= 4 and batched < 4, (alone, batched)
 
 
 def test_speculative_stats_as_json_and_prometheus(endpoint):

@@ -1,6 +1,7 @@
 """The Ray Train job on the tiny target: 2 workers, offline records, a local MLflow server, checkpoints,
 resume, recovery from a worker crash, export. Real Ray, real vLLM capture, real MLflow server."""
 
+import itertools
 import json
 import signal
 import time
@@ -206,6 +207,38 @@ def test_validation_measures_the_first_records_by_sample_id():
     mixed = [{"sample_id": s} for s in ["sharegpt-1", "traffic:r2:0", "sharegpt-0", "traffic:r1:0"]]
     only = TrainingConfig(validation_prefix="traffic:")  # adapt's curve: the workload, not the replay
     assert [r["sample_id"] for r in validation_subset(mixed, only)] == ["traffic:r1:0", "traffic:r2:0"]
+
+
+class CountingShard:
+    """A dataset shard stand-in: iter_rows counts how often the records are streamed (captured, online)."""
+
+    def __init__(self, rows):
+        self.rows, self.streams = rows, 0
+
+    def iter_rows(self):
+        self.streams += 1
+        yield from self.rows
+
+
+def test_later_epochs_replay_the_first_instead_of_capturing_again():
+    import numpy as np
+
+    from peagle_ray.train.worker import cycle_records
+
+    rows = [
+        {"input_ids": np.arange(i + 3), "aux_hidden": np.full((i + 3, 4), i, np.float32), "sample_id": f"s{i}"}
+        for i in range(5)
+    ]
+    for limit, streams in ((1 << 20, 1), (200, 3), (0, 3)):  # cached / first epoch outgrows the cache / off
+        shard = CountingShard(rows)
+        out = list(cycle_records(shard, 3, limit))
+        assert shard.streams == streams and len(out) == 15, limit
+        for got, want in zip(out, rows * 3):
+            assert got.keys() == want.keys() and got["sample_id"] == want["sample_id"]
+            assert np.array_equal(got["input_ids"], want["input_ids"])
+            assert np.array_equal(got["aux_hidden"], want["aux_hidden"]) and got["aux_hidden"].dtype == np.float32
+    shard = CountingShard(rows)
+    assert len(list(itertools.islice(cycle_records(shard, 3, 1 << 20), 7))) == 7 and shard.streams == 1
 
 
 @pytest.mark.slow

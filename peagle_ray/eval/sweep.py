@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
-from peagle_ray.export.speculators import read_drafter, speculative_config
+from peagle_ray.export.speculators import Recommendation, read_drafter, speculative_config
 from peagle_ray.serve.stats import SpecStats
 
 ALGORITHMS = ("eagle3", "peagle")
@@ -149,6 +149,7 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
             b["tokens"],
             b["seconds"],
             wrong,
+            prompt_speedups(t.get("per_prompt", []), b.get("per_prompt", [])),
         )
         rows[category] = _row(k, *part)
         parts.append(part)
@@ -156,8 +157,31 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
     return rows
 
 
+def prompt_speedups(timed: list[list[float]], baseline: list[list[float]]) -> list[float]:
+    """Per timed prompt, its tokens/s over the target alone's on the same prompt ([tokens, seconds] pairs).
+
+    e.g. [[10, 1.0], [10, 2.0]] against [[10, 2.0], [10, 2.0]] -> [2.0, 1.0]."""
+    return [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(timed, baseline) if s and bn and bs]
+
+
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (None under 2 values). e.g. [2.0, 1.0] -> 0.5."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+
 def _row(
-    k, counters: SpecStats, tokens, seconds, timed_counters: SpecStats, base_tokens, base_seconds, mismatches
+    k,
+    counters: SpecStats,
+    tokens,
+    seconds,
+    timed_counters: SpecStats,
+    base_tokens,
+    base_seconds,
+    mismatches,
+    speedups: list[float],
 ) -> dict:
     tps = tokens / seconds if seconds else 0.0
     base = base_tokens / base_seconds if base_seconds else 0.0
@@ -169,14 +193,36 @@ def _row(
         "tokens_per_s": round(tps, 2),
         "baseline_tokens_per_s": round(base, 2),
         "speedup": round(speedup, 3) if speedup else None,
+        "speedup_se": None if (se := standard_error(speedups)) is None else round(se, 3),
+        "timed_prompts": len(speedups),
         "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
         "greedy_mismatches": mismatches,
     }
 
 
-def recommend_k(by_k: dict[int, dict]) -> int:
+def fastest_k(by_k: dict[int, dict]) -> int:
     """The K with the best measured overall tokens/s (ties: the smaller K)."""
     return max(sorted(by_k), key=lambda k: by_k[k]["overall"]["tokens_per_s"])
+
+
+def recommend_k(by_k: dict[int, dict]) -> Recommendation:
+    """Draft at the fastest K only when it is measurably faster than the target alone: its overall speedup less
+    two standard errors of the per-prompt speedups (the speedup itself when under 2 prompts were timed) must
+    be above 1. Otherwise the recommendation is no drafting, and says why.
+
+    e.g. fastest K 4 at 1.30x +- 0.05 -> draft at K = 4; at 1.05x +- 0.04 -> no drafting (1.05 - 0.08 <= 1)."""
+    k = fastest_k(by_k)
+    overall = by_k[k]["overall"]
+    speedup, se = overall.get("speedup"), overall.get("speedup_se")
+    spread = (
+        f"+- {se:.2f} (standard error over {overall.get('timed_prompts')} timed prompts)"
+        if se
+        else ("(spread unknown: fewer than 2 timed prompts)")
+    )
+    measured = f"the fastest K = {k} ran at {speedup or 0:.2f}x the target alone {spread}"
+    if speedup is not None and speedup - 2 * (se or 0.0) > 1.0:
+        return Recommendation(True, k, f"{measured}")
+    return Recommendation(False, k, f"no K is measurably faster than the target alone: {measured}")
 
 
 def set_drafter_k(drafter_dir: Path, k: int) -> None:
@@ -185,6 +231,13 @@ def set_drafter_k(drafter_dir: Path, k: int) -> None:
     config = json.loads(config_file.read_text())
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = k
     config_file.write_text(json.dumps(config, indent=2))
+
+
+def write_recommendation(drafter_dir: Path, recommendation: Recommendation) -> None:
+    """The fastest K into the drafter's config.json (so vLLM, or a user forcing K, gets the best one) and the
+    verdict into its recommendation.json, which serving reads: no drafting means the target alone is served."""
+    set_drafter_k(drafter_dir, recommendation.k)
+    recommendation.write(Path(drafter_dir))
 
 
 def run_eval(
@@ -228,10 +281,13 @@ def run_eval(
     for algorithm in ALGORITHMS:
         if algorithm in results:
             entry = results[algorithm]
-            entry["recommended_k"] = recommend_k(entry["by_k"])
-            entry["best"] = entry["by_k"][entry["recommended_k"]]
+            recommendation = recommend_k(entry["by_k"])
+            entry["best_k"] = recommendation.k
+            entry["best"] = entry["by_k"][recommendation.k]
+            entry["recommended_k"] = recommendation.k if recommendation.draft else 0
+            entry["recommendation"] = recommendation.reason
             if write_k:
-                set_drafter_k(drafters[algorithm], entry["recommended_k"])
+                write_recommendation(drafters[algorithm], recommendation)
     if "peagle" in results and "eagle3" in results:
         ours, theirs = results["peagle"]["best"], results["eagle3"]["best"]
         for category, row in ours.items():
@@ -254,10 +310,15 @@ def format_table(results: dict) -> str:
         if algorithm not in results:
             continue
         best = results[algorithm]["best"]
-        k = results[algorithm]["recommended_k"]
+        k = results[algorithm].get("best_k", results[algorithm]["recommended_k"])
+        verdict = (
+            f"recommended K = {k}"
+            if results[algorithm]["recommended_k"]
+            else f"at its fastest K = {k}; recommended: no drafting, the target alone is served"
+        )
         head = ["Category", *[f"Pos {i}" for i in range(1, k + 1)], "Avg Length", "tok/s", "speedup"]
         lines += [
-            f"{algorithm} (recommended K = {k})",
+            f"{algorithm} ({verdict})",
             "| " + " | ".join(head) + " |",
             "|" + "|".join("---" for _ in head) + "|",
         ]
@@ -267,7 +328,7 @@ def format_table(results: dict) -> str:
                 *[f"{100 * r:.1f}" for r in row["acceptance_per_position"]],
                 f"{row['acceptance_length']:.2f}",
                 f"{row['tokens_per_s']:.1f}",
-                f"{row['speedup'] or 0:.2f}x",
+                f"{row['speedup'] or 0:.2f}x" + (f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
@@ -337,6 +398,8 @@ def log_results(
             log_metrics(uri, run_id, metrics)
             log_table(uri, run_id, table, f"{prefix}/acceptance_per_position.json")
             set_tag(uri, run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
+            if "recommendation" in results[algorithm]:
+                set_tag(uri, run_id, "eval.recommendation", results[algorithm]["recommendation"])
             log_files(uri, run_id, [*plots, work_dir / "eval.json"], artifact_path=prefix)
         runs[algorithm] = run_id
     return runs
@@ -386,7 +449,7 @@ def plot_acceptance(results: dict, path: Path) -> Path:
                 [i + 1 + offset for i in range(len(rates))],
                 [100 * r for r in rates],
                 width=0.4,
-                label=f"{algorithm} (K={results[algorithm]['recommended_k']})",
+                label=f"{algorithm} (K={results[algorithm].get('best_k', results[algorithm]['recommended_k'])})",
             )
     ax.set(xlabel="draft position", ylabel="accepted (%)", title="Acceptance per position", ylim=(0, 100))
     ax.legend()

@@ -7,7 +7,8 @@ SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_t
        "acceptance": {category: [prompt ids, ...]}, "timing": {category: n (the first n acceptance prompts)},
        "warmup": [prompt ids, ...] (optional: generated first, e.g. to fill suffix decoding's response cache)}
 OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
-       "timing": {category: {"tokens": n, "seconds": s, "counters": {...}}}, "engine_start_s": s}
+       "timing": {category: {"tokens": n, "seconds": s, "per_prompt": [[tokens, seconds], ...], "counters": {...}}},
+       "engine_start_s": s}
 
 Each prompt is generated exactly once. The timed prompts of a category run first, one at a time (batch 1, the
 latency a user sees), each after the prefix cache is emptied; the rest of the category then runs as one
@@ -42,15 +43,20 @@ def run(spec: dict) -> dict:
     llm.generate([{"prompt_token_ids": warm[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     for category, prompts in spec["acceptance"].items():
         timed = prompts[: spec["timing"].get(category, 0)]
-        tokens, seconds, before = [], 0.0, stats()
+        tokens, per_prompt, before = [], [], stats()
         for prompt in timed:
             llm.reset_prefix_cache()
             start = time.perf_counter()
             (output,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
-            seconds += time.perf_counter() - start
+            per_prompt.append([len(output.outputs[0].token_ids), time.perf_counter() - start])
             tokens.append(list(output.outputs[0].token_ids))
         timing = stats().minus(before)
-        out["timing"][category] = {"tokens": sum(map(len, tokens)), "seconds": seconds, "counters": timing.__dict__}
+        out["timing"][category] = {
+            "tokens": sum(n for n, _ in per_prompt),
+            "seconds": sum(s for _, s in per_prompt),
+            "per_prompt": per_prompt,
+            "counters": timing.__dict__,
+        }
         before = stats()
         rest = prompts[len(timed) :]
         if rest:

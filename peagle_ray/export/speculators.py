@@ -17,7 +17,7 @@ import json
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -154,14 +154,47 @@ def export_drafter(
     config = speculators_config(drafter, target_dir, aux_layer_ids, num_speculative_tokens, max_position_embeddings)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / PROVENANCE).write_text(json.dumps(provenance(extra_provenance), indent=2))
+    (out_dir / RECOMMENDATION).unlink(missing_ok=True)  # an earlier evaluation judged other weights
     return out_dir
+
+
+RECOMMENDATION = "recommendation.json"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Evaluation's verdict on serving a drafter (recommendation.json in its export dir): draft at K, or not at
+    all (the target alone is served) when no K was measurably faster; `reason` says what was measured."""
+
+    draft: bool
+    k: int  # the fastest K measured
+    reason: str
+
+    def write(self, drafter_dir: Path) -> None:
+        (Path(drafter_dir) / RECOMMENDATION).write_text(json.dumps(asdict(self), indent=2))
+
+    @staticmethod
+    def read(drafter_dir: Path) -> Recommendation | None:
+        path = Path(drafter_dir) / RECOMMENDATION
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return Recommendation(bool(data["draft"]), int(data["k"]), str(data["reason"]))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"drafter {drafter_dir}: {RECOMMENDATION} cannot be read ({err})") from None
 
 
 @dataclass(frozen=True)
 class DrafterInfo:
     path: str
     algorithm: str  # "peagle" | "eagle3"
-    num_speculative_tokens: int  # the K exported (or recommended by evaluation)
+    num_speculative_tokens: int  # the K exported (or the fastest K measured by evaluation)
+    recommendation: Recommendation | None = None  # evaluation's verdict, when it ran
+
+    @property
+    def recommends_drafting(self) -> bool:
+        return self.recommendation is None or self.recommendation.draft
 
 
 def read_drafter(drafter_dir: Path) -> DrafterInfo:
@@ -186,11 +219,19 @@ def read_drafter(drafter_dir: Path) -> DrafterInfo:
     if algorithm not in ("peagle", "eagle3"):
         raise ConfigError(f"drafter {drafter_dir}: speculators_model_type must be peagle or eagle3; got {algorithm!r}")
     method = config["speculators_config"]["proposal_methods"][0]
-    return DrafterInfo(str(drafter_dir.resolve()), algorithm, int(method["speculative_tokens"]))
+    return DrafterInfo(
+        str(drafter_dir.resolve()), algorithm, int(method["speculative_tokens"]), Recommendation.read(drafter_dir)
+    )
 
 
-def speculative_config(drafter: DrafterInfo, k: int | None = None) -> dict:
-    spec = {"model": drafter.path, "method": "eagle3", "num_speculative_tokens": k or drafter.num_speculative_tokens}
+def speculative_config(drafter: DrafterInfo, k: int | None = None, max_batch_size: int | None = None) -> dict:
+    """vLLM's speculative_config for the drafter at K (default its own). With max_batch_size B, vLLM's
+    batch-size schedule drafts K tokens while at most B requests run and none above (the target alone),
+    where verifying drafts for a full batch costs more than it saves."""
+    k = k or drafter.num_speculative_tokens
+    spec = {"model": drafter.path, "method": "eagle3", "num_speculative_tokens": k}
     if drafter.algorithm == "peagle":
         spec["parallel_drafting"] = True
+    if max_batch_size is not None:
+        spec["num_speculative_tokens_per_batch_size"] = [[1, max_batch_size, k], [max_batch_size + 1, 1 << 30, 0]]
     return spec

@@ -52,7 +52,7 @@ def vllm_args(
     served_name: str | None = None,
 ) -> list[str]:
     """vLLM OpenAI-server command-line arguments for the target (+ drafter): engine.engine_args as flags."""
-    spec = speculative_config(drafter, k) if drafter is not None else None
+    spec = speculative_config(drafter, k, cfg.serving.draft_max_batch_size) if drafter is not None else None
     args = cli_args(engine_args(cfg, target_dir, cfg.serving.num_gpus > 0, spec))
     args += ["--served-model-name", served_name or Path(target_dir).name]
     if cfg.serving.api_token:
@@ -227,8 +227,10 @@ class _no_lifespan:
 
 
 def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None):
-    """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter."""
+    """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter.
+    A drafter whose evaluation recommended no drafting serves the target alone, unless a K is asked for."""
     k = k or cfg.serving.num_speculative_tokens
+    drafter = served_drafter(drafter, k)
     spec = EndpointSpec(
         vllm_args(cfg, target_dir, drafter, k),
         str(target_dir),
@@ -241,6 +243,24 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | Non
     options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
     # max_surge_percent 100: on a new drafter the old replica serves until its replacement is ready (swap)
     return OpenAIEndpoint.options(ray_actor_options=options, max_surge_percent=100).bind(spec)
+
+
+def served_drafter(drafter: DrafterInfo | None, k: int | None) -> DrafterInfo | None:
+    """The drafter the endpoint drafts with: None (the target alone) when its evaluation found no K faster than
+    the target alone and no K was asked for (serving.num_speculative_tokens, `k=`)."""
+    if drafter is None or k is not None or drafter.recommends_drafting:
+        return drafter
+    return None
+
+
+def drafting_line(drafter: DrafterInfo | None, k: int | None = None) -> str:
+    """What the endpoint drafts with, and why, for a person reading the console."""
+    if drafter is None:
+        return "drafter:  none (the target alone)"
+    reason = f": {drafter.recommendation.reason}" if drafter.recommendation else ""
+    if served_drafter(drafter, k) is None:
+        return f"drafter:  none, the target alone is served (evaluation of {drafter.path}{reason})"
+    return f"drafter:  {drafter.algorithm} at K = {k or drafter.num_speculative_tokens} ({drafter.path}){reason}"
 
 
 def recording(cfg: PeagleConfig) -> Recording | None:
@@ -285,7 +305,9 @@ def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = N
     drafter = read_drafter(drafter_dir) if drafter_dir is not None else None
     ensure_ray()
     url = start_endpoint(cfg, target, drafter, k)
-    print(endpoint_banner(url, cfg), flush=True)
+    print(
+        endpoint_banner(url, cfg), drafting_line(drafter, k or cfg.serving.num_speculative_tokens), sep="\n", flush=True
+    )
     if detach:
         return
     try:

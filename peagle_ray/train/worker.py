@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -50,10 +51,71 @@ def full_batches(records: Iterator[dict], size: int) -> Iterator[list[TrainSeque
         yield batch
 
 
-def cycle_records(shard, epochs: int) -> Iterator[dict]:
-    """Rows of a dataset shard, epoch after epoch (each epoch re-streams; online mode re-captures)."""
-    for _ in range(epochs):
-        yield from shard.iter_rows()
+def cycle_records(shard, epochs: int, cache_bytes: int = 0) -> Iterator[dict]:
+    """Rows of a dataset shard, epoch after epoch. The first epoch's rows also go into a local spill file of at
+    most `cache_bytes`, which later epochs replay instead of re-streaming the shard (online mode: capturing
+    every record through the target again); a first epoch larger than that re-streams every epoch."""
+    with EpochCache(cache_bytes) as cache:
+        for epoch in range(epochs):
+            if epoch and cache.complete:
+                yield from cache.replay()
+                continue
+            for row in shard.iter_rows():
+                if not epoch:
+                    cache.add(row)
+                yield row
+            cache.close_writing()
+
+
+class EpochCache:
+    """Records appended to a temp file as numpy arrays (np.save, no pickle), in order, then read back in order.
+    Past `limit` bytes it gives up (deletes the file; `complete` stays False)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.size, self.rows, self.keys = limit, 0, 0, None
+        self.complete = False
+        self._dir = tempfile.TemporaryDirectory(prefix="peagle-epoch-cache-") if limit > 0 else None
+        self._file = open(Path(self._dir.name) / "rows.npy", "wb") if self._dir else None  # noqa: SIM115
+
+    def add(self, row: dict) -> None:
+        if self._file is None:
+            return
+        arrays = {k: np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
+        self.keys = self.keys or sorted(arrays)
+        self.size += sum(a.nbytes for a in arrays.values())
+        if self.size > self.limit or sorted(arrays) != self.keys:
+            self._give_up()
+            return
+        for key in self.keys:
+            np.save(self._file, arrays[key], allow_pickle=False)
+        self.rows += 1
+
+    def close_writing(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self.complete = self._dir is not None
+
+    def replay(self) -> Iterator[dict]:
+        with open(Path(self._dir.name) / "rows.npy", "rb") as f:
+            for _ in range(self.rows):
+                arrays = {key: np.load(f, allow_pickle=False) for key in self.keys}
+                yield {k: a.item() if a.ndim == 0 else a for k, a in arrays.items()}
+
+    def _give_up(self) -> None:
+        self._file.close()
+        self._file = None
+        self._dir.cleanup()
+        self._dir = None
+
+    def __enter__(self) -> EpochCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._dir is not None:
+            self._dir.cleanup()
 
 
 def all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
@@ -212,7 +274,8 @@ def rank_records(plan: dict, r: Rank) -> tuple[Iterator[dict], list[dict]]:
         records = (row for _ in range(epochs) for row in read_split(shards, "train", r.rank, r.world))
     else:
         validation_rows = ray.train.get_dataset_shard("validation").iter_rows() if first else []
-        records = cycle_records(ray.train.get_dataset_shard("train"), epochs)
+        cache_bytes = int(r.cfg.capture.epoch_cache_gb * 2**30)
+        records = cycle_records(ray.train.get_dataset_shard("train"), epochs, cache_bytes)
     return records, validation_subset(validation_rows, r.cfg.training)
 
 

@@ -43,6 +43,11 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     started = time.monotonic()
     cfg = _with_target(cfg, scale, started)
     ensure_ray()
+    print(
+        f"[demo] logs: {Path(cfg.serving.log_dir).resolve()} (vLLM engines), /tmp/ray/session_latest/logs (Ray; "
+        "Ray Data's progress in ray-data/ray-data.log)",
+        flush=True,
+    )
     with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
         cfg = with_values(cfg, {"tracking.tracking_uri": uri})
         print(f"[demo] MLflow UI: {uri}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -301,6 +302,8 @@ def register_model(uri: str, run_id: str, name: str, artifact_path: str, alias: 
     except MlflowException:
         pass  # already registered: add a version
     source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    # MLflow logs "Waiting up to 300 seconds for model version to finish creation" at INFO on every version
+    logging.getLogger("mlflow.store.model_registry.abstract_store").setLevel(logging.WARNING)
     version = client.create_model_version(name, source, run_id=run_id, tags=tags or {}).version
     if not client.get_registered_model(name).aliases:
         client.set_registered_model_alias(name, alias, version)

@@ -105,3 +105,18 @@ def test_every_benchmark_option_is_a_parameter_of_its_function_and_help_shows_it
             kind
         )  # the same values inspect sees
         assert parser.parse_args(["bench", kind]).kind == kind
+
+
+def test_ray_data_info_lines_stay_off_the_console():
+    """Ray Data logs progress at INFO every 10 s when stdout is not a terminal; importing peagle_ray first
+    points RAY_DATA_LOGGING_CONFIG at ours: warnings still reach the console, INFO lines only the log file."""
+    probe = (
+        "import logging, peagle_ray, ray.data; "
+        "logging.getLogger('ray.data._internal.progress.logging_progress').info('probe-info'); "
+        "logging.getLogger('ray.data').warning('probe-warning')"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "RAY_DATA_LOGGING_CONFIG"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console
+    assert "probe-warning" in console and "probe-info" not in console

@@ -15,7 +15,7 @@ from peagle_ray.serve.app import free_port
 pytestmark = pytest.mark.vllm
 
 
-def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
+def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capfd):
     cfg = build_config(
         {
             "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
@@ -47,7 +47,8 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
             answers.append(json.loads(resp.read()))
 
     outcome = run_demo(cfg, wait=False, on_ready=ask)
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()  # the file descriptors: what a person at the console sees, from any process
+    (tmp_path / "console.txt").write_text(out + err)
     results = outcome["eval"]
     for algorithm in ("peagle", "eagle3"):
         overall = results[algorithm]["by_k"][2]["overall"]
@@ -72,6 +73,7 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capsys):
         assert "the target alone is served" in out and results["peagle"]["recommendation"] in out
     assert "| Category | Pos 1 | Pos 2 | Avg Length |" in out and "MLflow UI: http://127.0.0.1:" in out
     assert "curl" in out and outcome["endpoint"] in out
+    assert "[demo] logs: " in out and "INFO" not in out + err, (out + err)[-3000:]  # INFO lines go to log files
     client = MlflowClient(f"sqlite:///{Path(cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
     assert {"peagle", "peagle-eagle3"} <= set(runs)

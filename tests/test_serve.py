@@ -158,9 +158,7 @@ def test_above_the_batch_cutoff_the_target_decodes_alone_and_stays_lossless(endp
 def test_speculative_stats_as_json_and_prometheus(endpoint):
     url, model = endpoint
     client(url).completions.create(model=model, prompt="def main():", max_tokens=16, temperature=0)
-    request = urllib.request.Request(f"{url}/v1/speculative_stats", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(request, timeout=30) as resp:
-        stats = json.loads(resp.read())
+    stats = stats_of(url)
     assert stats["version"] == "peagle-drafter/7"
     assert stats["algorithm"] == "peagle" and stats["drafts"] > 0 and stats["draft_tokens"] == 3 * stats["drafts"]
     assert len(stats["acceptance_per_position"]) == 3

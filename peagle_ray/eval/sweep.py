@@ -1,7 +1,8 @@
 """`peagle-ray eval`: held-out prompts per category through vLLM with no speculation, the EAGLE-3 drafter
 and the P-EAGLE drafter for each K in eval.k_values; acceptance per position, AL, tokens/s, speedups and
-greedy mismatches against the target alone; the recommended K (best measured overall tokens/s) per
-algorithm, written to the JSON and to each drafter's config.json (speculative_tokens, used by serving).
+greedy mismatches against the target alone; per algorithm the fastest K, written to the JSON and each
+drafter's config.json, and the verdict (`recommend_k`: draft at it, or not at all when it is not measurably
+faster than the target alone) in the drafter's recommendation.json, which serving follows.
 
 Each configuration is one vLLM engine in its own process (`vllm_run`): the first eval.timing_prompts of
 a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation

@@ -218,11 +218,11 @@ def recommend_k(by_k: dict[int, dict]) -> Recommendation:
     spread = (
         f"+- {se:.2f} (standard error over {overall.get('timed_prompts')} timed prompts)"
         if se
-        else ("(spread unknown: fewer than 2 timed prompts)")
+        else "(spread unknown: fewer than 2 timed prompts)"
     )
     measured = f"the fastest K = {k} ran at {speedup or 0:.2f}x the target alone {spread}"
     if speedup is not None and speedup - 2 * (se or 0.0) > 1.0:
-        return Recommendation(True, k, f"{measured}")
+        return Recommendation(True, k, measured)
     return Recommendation(False, k, f"no K is measurably faster than the target alone: {measured}")
 
 

@@ -73,7 +73,6 @@ class EpochCache:
 
     def __init__(self, limit: int):
         self.limit, self.size, self.rows, self.keys = limit, 0, 0, None
-        self.complete = False
         self._dir = tempfile.TemporaryDirectory(prefix="peagle-epoch-cache-") if limit > 0 else None
         self._file = open(Path(self._dir.name) / "rows.npy", "wb") if self._dir else None  # noqa: SIM115
 
@@ -90,11 +89,15 @@ class EpochCache:
             np.save(self._file, arrays[key], allow_pickle=False)
         self.rows += 1
 
+    @property
+    def complete(self) -> bool:
+        """Every row of the first epoch is in the file: writing ended without giving up."""
+        return self._dir is not None and self._file is None
+
     def close_writing(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-            self.complete = self._dir is not None
 
     def replay(self) -> Iterator[dict]:
         with open(Path(self._dir.name) / "rows.npy", "rb") as f:

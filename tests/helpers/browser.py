@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+from websockets.sync.client import connect
 
 
 def chromium() -> str:
@@ -34,12 +43,60 @@ def render_dom(url: str, wait_ms: int = 20000) -> str:
     return result.stdout
 
 
-def render_until(url: str, *needles: str, budgets_ms: tuple[int, ...] = (20000, 40000, 80000, 160000)) -> str:
-    """The page's DOM once every needle is in it, rendering again with more virtual time while one is missing
-    (a loaded machine draws the MLflow UI's charts later); the last DOM if they never all appear."""
-    dom = ""
-    for budget in budgets_ms:
-        dom = render_dom(url, budget)
-        if all(needle in dom for needle in needles):
-            break
-    return dom
+def render_until(url: str, *needles: str, timeout_s: float = 180) -> str:
+    """The page's DOM once every needle is in it, polled once a second in real time through the DevTools
+    protocol (virtual time, as `render_dom` uses, runs ahead of a loaded machine: the MLflow UI's charts came
+    too late even for 160 s of it); the last DOM if they do not all appear within `timeout_s`."""
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
+        browser = subprocess.Popen(
+            [
+                chromium(),
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                "--window-size=1400,1000",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its renderer and GPU processes go with it
+        )
+        try:
+            port = _devtools_port(browser)
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/json/new?{urllib.parse.quote(url)}", method="PUT"
+            )
+            with urllib.request.urlopen(request, timeout=30) as response:
+                page = json.load(response)["webSocketDebuggerUrl"]
+            with connect(page, max_size=None, open_timeout=30) as devtools:
+                dom, deadline = "", time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    dom = _evaluate(devtools, "document.documentElement.outerHTML")
+                    if all(needle in dom for needle in needles):
+                        break
+                    time.sleep(1)
+                return dom
+        finally:
+            os.killpg(browser.pid, 9)
+            browser.wait()
+
+
+def _devtools_port(browser: subprocess.Popen) -> int:
+    """The port Chromium chose, from the `DevTools listening on ws://127.0.0.1:PORT/...` line it prints."""
+    for line in browser.stderr:
+        found = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+        if found:
+            return int(found.group(1))
+    raise AssertionError(f"Chromium exited ({browser.wait()}) without opening its DevTools port")
+
+
+def _evaluate(devtools, expression: str) -> str:
+    devtools.send(json.dumps({"id": 1, "method": "Runtime.evaluate", "params": {"expression": expression}}))
+    while True:
+        message = json.loads(devtools.recv(timeout=60))
+        if message.get("id") == 1:
+            return message["result"]["result"].get("value", "")

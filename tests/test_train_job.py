@@ -18,7 +18,7 @@ from peagle_ray.tracking import local_mlflow_server, metric_progress, run_status
 from peagle_ray.train.checkpoint import export_checkpoint
 from peagle_ray.train.job import check_inputs, run_training
 from peagle_ray.train.worker import validation_subset
-from tests.helpers.browser import render_dom, render_until
+from tests.helpers.browser import render_until
 
 PROMPTS = [
     "Write a haiku about rain.",
@@ -146,7 +146,7 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
     # what a user sees in the MLflow UI (headless Chromium against a server on the same store)
     with local_mlflow_server(workdir, free_port()) as ui:
         page = f"{ui}/#/experiments/{run.info.experiment_id}/runs/{first['run_id']}"
-        overview = render_dom(page)
+        overview = render_until(page, "Finished", dataset.dataset.digest)
         assert "Finished" in overview and dataset.dataset.digest in overview
         charts = render_until(page + "/model-metrics", ">val</div>", ">train</div>", "js-plotly-plot")
         assert ">val</div>" in charts and ">train</div>" in charts  # the metric sections

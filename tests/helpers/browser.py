@@ -21,32 +21,10 @@ def chromium() -> str:
     return path
 
 
-def render_dom(url: str, wait_ms: int = 20000) -> str:
-    """The page's DOM after its scripts ran for `wait_ms` of virtual time (the MLflow UI is a React app)."""
-    result = subprocess.run(
-        [
-            chromium(),
-            "--headless=new",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            f"--virtual-time-budget={wait_ms}",
-            "--window-size=1400,1000",
-            "--dump-dom",
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
-
-
 def render_until(url: str, *needles: str, timeout_s: float = 180) -> str:
     """The page's DOM once every needle is in it, polled once a second in real time through the DevTools
-    protocol (virtual time, as `render_dom` uses, runs ahead of a loaded machine: the MLflow UI's charts came
-    too late even for 160 s of it); the last DOM if they do not all appear within `timeout_s`."""
+    protocol (Chromium's --virtual-time-budget runs ahead of a loaded machine: the MLflow UI's charts came too
+    late even for 160 s of it); the last DOM if they do not all appear within `timeout_s`."""
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         browser = subprocess.Popen(
             [

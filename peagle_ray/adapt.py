@@ -11,7 +11,9 @@ and swapped into the running endpoint.
       -> judge: stock vLLM, target alone / parent / new at the served K, on the held-out traffic and on
          adapt.general_suite (forgetting)
       -> promote when held-out AL gains >= adapt.min_gain and the suite's AL loses <= adapt.max_regression:
-         the alias moves; with adapt.swap, the endpoint on this cluster rolls onto the new drafter.
+         the alias moves; with adapt.swap, the endpoint on this cluster rolls onto the new drafter, which
+         drafts only if it was measurably faster than the target alone on the held-out traffic (else the
+         endpoint serves the target alone and says why: recommendation.json, as evaluation writes).
 
 e.g. held-out AL parent 1.20 -> new 1.65 (gain 0.45 >= 0.05), MT-Bench 1.18 -> 1.17 (loss 0.01 <= 0.02):
 promoted. Everything lands in <storage>/adapt/<time>/adapt.json and the adaptation's MLflow run.
@@ -109,6 +111,14 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
     return out
 
 
+def heldout_recommendation(row: dict):
+    """Serve a drafter at its K only where its held-out row (judge's) was measurably faster than the target
+    alone (eval.sweep.recommend_k's rule: speedup less two standard errors above 1)."""
+    from peagle_ray.eval.sweep import recommend_k
+
+    return recommend_k({row["k"]: {"overall": row}})
+
+
 def _only(run: dict, keep) -> dict:
     """An engine run's results restricted to the categories `keep` accepts."""
     return {part: {c: v for c, v in run[part].items() if keep(c)} for part in ("acceptance", "timing")}
@@ -119,7 +129,7 @@ def run_adapt(cfg: PeagleConfig) -> dict:
     from peagle_ray.capture.run import prepare_and_capture
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.data.sources import check_sources
-    from peagle_ray.eval.sweep import set_drafter_k
+    from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.train.job import run_training
     from peagle_ray.tracking import aliased_version, download_version, tracking_uri
@@ -157,6 +167,8 @@ def run_adapt(cfg: PeagleConfig) -> dict:
         set_drafter_k(new_dir, k)  # served at the K the parent is served at
         measured = judge(cfg, acfg, {"parent": parent_dir, "new": new_dir}, k)
         verdict = decide(cfg, measured["parent"], measured["new"])
+        serving = heldout_recommendation(measured["new"]["heldout"])
+        write_recommendation(new_dir, serving)  # the endpoint drafts with it only where that paid
         report = {
             "registered_model": name,
             "parent_version": parent["version"],
@@ -166,6 +178,8 @@ def run_adapt(cfg: PeagleConfig) -> dict:
             "train_steps": cfg.adapt.max_steps,
             "measured": measured,
             **verdict,
+            "drafts": serving.draft,  # served with its drafter (False: the target alone), and why
+            "recommendation": serving.reason,
             "export_dir": trained["export_dir"],
             "run_id": trained["run_id"],
         }

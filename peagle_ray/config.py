@@ -496,6 +496,24 @@ class AdaptConfig(_Section):
     """After a promotion, swap the new drafter into the endpoint running on this Ray cluster (if any)."""
 
 
+class DemoConfig(_Section):
+    workload: str = "humaneval"
+    """The traffic the demo sends through its endpoint and adapts to: `humaneval` (code completion),
+    `sharegpt-WORD` (ShareGPT first turns containing WORD, e.g. sharegpt-email) or `builtin-CATEGORY`
+    (one category of the built-in suite, e.g. builtin-coding); the names `peagle-ray bench adapt` takes."""
+
+    requests: int = Field(default=48, gt=1)
+    """Workload requests sent through the endpoint, one at a time; adapt.validation_fraction of the recorded
+    ones are held out to judge the general and the adapted drafter."""
+
+    max_tokens: int = Field(default=64, gt=0)
+    """max_tokens of each workload request."""
+
+    compare_eagle3: bool = False
+    """Also train EAGLE-3 on the general data and budget and compare it with the general P-EAGLE drafter
+    (`peagle-ray eval` on the general validation split): off the demo's critical path, ~15 more minutes."""
+
+
 class PeagleConfig(_Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
     """The model being served and verified against."""
@@ -515,6 +533,8 @@ class PeagleConfig(_Section):
     """Acceptance and throughput evaluation."""
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     """Adapting the served drafter to recorded traffic (`peagle-ray adapt`)."""
+    demo: DemoConfig = Field(default_factory=DemoConfig)
+    """`peagle-ray demo`'s workload loop."""
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> PeagleConfig:

@@ -1,78 +1,120 @@
-"""The main job: `peagle-ray demo` / `make demo`, the whole pipeline on one machine.
+"""The main job: `peagle-ray demo` / `make demo`, a general drafter and then the loop a deployment runs, on one
+machine.
 
     local Ray cluster + local MLflow server
-    -> target (embedded SmolLM2, converted once)               `peagle-ray target prepare`
-    -> data.sources (demo: built-in suite, regenerated)        `peagle-ray data prepare`
-    -> offline capture only (capture.mode: offline)            `peagle-ray data capture`
-    -> P-EAGLE trained on the capture in Ray Train             `peagle-ray train`
-    -> the EAGLE-3 baseline on the same data and budget        `peagle-ray train --set drafter.algorithm=eagle3`
-    -> evaluation sweep, recommended K into each drafter       `peagle-ray eval`
-    -> the REST endpoint with the P-EAGLE drafter              `peagle-ray serve`
+    -> target (embedded SmolLM2, converted once)                      `peagle-ray target prepare`
+    -> data.sources (demo: ShareGPT's recorded answers, no             `peagle-ray data capture --prepare`
+       regeneration), captured offline through the Serve-hosted target
+    -> a general P-EAGLE drafter trained in Ray Train, registered      `peagle-ray train`
+    -> (demo.compare_eagle3: EAGLE-3 on the same data and budget,      `peagle-ray eval`
+       both evaluated on the general validation split)
+    -> the endpoint serving the general drafter with recording on;     `peagle-ray serve`
+       demo.requests of demo.workload sent through it
+    -> adapt: the recorded traffic captured, the drafter fine-tuned    `peagle-ray adapt`
+       on it, judged against the general one on the held-out
+       requests (and MT-Bench, for forgetting), promoted, swapped in
+    -> one table (target alone, general, adapted on the held-out requests), the minutes of each stage, and
+       the live endpoint, recording, drafting only where its own measurement found drafting faster.
 
-Every stage is the same code its own command runs. The budget is the config's (configs/demo.yaml fits
-~40 minutes on 2 cores); `--scale N` multiplies the training steps. Ctrl-C stops the endpoint, Ray and
-MLflow. Stages whose output already exists (target, prepared data, captured shards, finished training)
-are reused, so rerunning an interrupted run resumes it (configs/cpu-full.yaml relies on it).
+Every stage is the same code its own command runs. The budget is the config's (configs/demo.yaml);
+`--scale N` multiplies the general drafter's training steps. Ctrl-C stops the endpoint, Ray and MLflow.
+Stages whose output already exists (target, prepared data, captured shards, finished training) are reused,
+so rerunning an interrupted run resumes it; recorded traffic accumulates across runs.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from peagle_ray.config import PeagleConfig, with_values
 
 
-def _stage(name: str, started: float) -> None:
-    print(f"\n[demo] === {name} ({(time.monotonic() - started) / 60:.1f} min in) ===", flush=True)
+class Stages:
+    """The demo's stages: a header printed as each starts, and the minutes each took (`table`)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.rows: list[tuple[str, float]] = []  # (name, start)
+        self.ended: float | None = None
+
+    def start(self, name: str, detail: str = "") -> None:
+        now = time.monotonic()
+        self.rows.append((name, now))
+        print(f"\n[demo] === {name}{': ' + detail if detail else ''} ({(now - self.started) / 60:.1f} min in) ===")
+
+    def finish(self) -> None:
+        self.ended = time.monotonic()
+
+    def minutes(self) -> dict[str, float]:
+        """{stage: minutes}, each stage lasting until the next one started (the last until finish)."""
+        ends = [start for _, start in self.rows[1:]] + [self.ended or time.monotonic()]
+        return {name: round((end - start) / 60, 2) for (name, start), end in zip(self.rows, ends)}
+
+    def table(self) -> str:
+        minutes = self.minutes()
+        lines = ["| Stage | Minutes |", "|---|---:|", *(f"| {name} | {m:.1f} |" for name, m in minutes.items())]
+        return "\n".join([*lines, f"| total | {sum(minutes.values()):.1f} |"])
 
 
 def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> dict:
-    """Run every stage; returns {"endpoint", "mlflow", "eval", "table"}. With wait, serve until Ctrl-C
-    (or SIGTERM / SIGHUP through the CLI), which stops everything and raises KeyboardInterrupt; otherwise
-    call on_ready(endpoint_url) (if given) and stop everything."""
+    """Run every stage; returns {"endpoint", "served" (the drafter dir), "mlflow", "adapt", "table", "minutes",
+    "json"} (and "eval" with
+    demo.compare_eagle3). With wait, serve until Ctrl-C (or SIGTERM / SIGHUP through the CLI), which stops
+    everything and raises KeyboardInterrupt; otherwise call on_ready(endpoint_url) (if given) and stop."""
     import ray
     from ray import serve
 
+    from peagle_ray.adapt import run_adapt
     from peagle_ray.cluster import ensure_ray
-    from peagle_ray.eval.sweep import evaluate
     from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import drafting_line, endpoint_banner, start_endpoint, stop_endpoint
+    from peagle_ray.serve.app import drafting_line, endpoint_banner, stop_endpoint
     from peagle_ray.tracking import tracking_uri
 
-    started = time.monotonic()
-    cfg = _with_target(cfg, scale, started)
+    stages = Stages()
+    cfg = _with_target(cfg, scale, stages)
     ensure_ray()
+    storage = Path(cfg.training.storage_path)
     print(
         f"[demo] logs: {Path(cfg.serving.log_dir).resolve()} (vLLM engines), /tmp/ray/session_latest/logs (Ray; "
         "Ray Data's progress in ray-data/ray-data.log)",
         flush=True,
     )
-    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
-        cfg = with_values(cfg, {"tracking.tracking_uri": uri})
+    with tracking_uri(cfg, storage / "mlflow") as uri:
+        record_dir = cfg.serving.record_dir or str(storage / "traffic")
+        cfg = with_values(cfg, {"tracking.tracking_uri": uri, "serving.record_dir": record_dir, "adapt.swap": True})
         print(f"[demo] MLflow UI: {uri}")
         try:
-            drafters = _data_and_training(cfg, started)
-            _stage(f"evaluate: target alone, EAGLE-3 and P-EAGLE at K = {cfg.eval.k_values}", started)
-            evaluated = evaluate(cfg, drafters)
-            _stage("serve the P-EAGLE drafter", started)
-            target = Path(cfg.target.path)
-            drafter = read_drafter(drafters["peagle"])
-            url = start_endpoint(cfg, target, drafter)
+            general, version = _general_drafter(cfg, stages)
+            out: dict = {"mlflow": uri}
+            if cfg.demo.compare_eagle3:
+                out["eval"] = _compare_eagle3(cfg, general, stages)
+            label = f"{cfg.tracking.registered_model}/{version}"
+            url = _workload_traffic(cfg, general, label, stages)
+            stages.start("adapt", f"the general drafter fine-tuned on the recorded {cfg.demo.workload} traffic")
+            report = run_adapt(cfg)
+            served = _serve_the_measured(cfg, general, label, report)
+            stages.finish()
+            table = results_table(report)
+            result = storage / "demo.json"
+            result.write_text(json.dumps({"minutes": stages.minutes(), "table": table, "adapt": report}, indent=2))
             print(
-                f"\n{evaluated['table']}\n\nresults: {evaluated['json']}\nMLflow UI: {uri}\n"
-                f"{endpoint_banner(url, cfg).replace('MODEL', target.name)}\n"
-                f"{drafting_line(drafter, cfg.serving.num_speculative_tokens)}\n"
-                f"[demo] done in {(time.monotonic() - started) / 60:.1f} min",
+                f"\n{table}\n\n{stages.table()}\n\nresults: {result} and {report['json']}\nMLflow UI: {uri}\n"
+                f"{endpoint_banner(url, cfg).replace('MODEL', Path(cfg.target.path).name)}\n"
+                f"{drafting_line(read_drafter(served))} (recording to {record_dir})\n"
+                f"[demo] done in {(stages.ended - stages.started) / 60:.1f} min",
                 flush=True,
             )
+            out.update(endpoint=url, served=str(served), adapt=report, table=table, minutes=stages.minutes())
+            out["json"] = str(result)
             if on_ready is not None:
                 on_ready(url)
             if wait:
                 print("[demo] the endpoint is live; Ctrl-C stops it (and Ray and MLflow)", flush=True)
                 while True:
                     time.sleep(3600)
-            return {"endpoint": url, "mlflow": uri, "eval": evaluated["results"], "table": evaluated["table"]}
+            return out
         except KeyboardInterrupt:
             print("\n[demo] stopping: the endpoint, Ray and MLflow", flush=True)
             raise  # after the cleanup below; the CLI exits 128 + the signal
@@ -84,30 +126,30 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
                 ray.shutdown()
 
 
-def _with_target(cfg: PeagleConfig, scale: float, started: float) -> PeagleConfig:
+def _with_target(cfg: PeagleConfig, scale: float, stages: Stages) -> PeagleConfig:
     """The config with the target prepared (the embedded one converted once), the steps scaled, storage absolute."""
     from peagle_ray.target import prepare_embedded_target
 
-    _stage("target", started)
+    stages.start("target")
     target = Path(cfg.target.path) if cfg.target.path else prepare_embedded_target(cfg.cache_path())
     steps = max(1, round(cfg.training.max_steps * scale))
     storage = Path(cfg.training.storage_path).resolve()
-    print(f"[demo] target {target}; training budget {steps} steps per algorithm")
+    print(f"[demo] target {target}; the general drafter trains {steps} steps")
     return with_values(
         cfg, {"target.path": str(target), "training.max_steps": steps, "training.storage_path": str(storage)}
     )
 
 
-def _data_and_training(cfg: PeagleConfig, started: float) -> dict[str, Path]:
-    """Prepared data (reused when present), offline capture (resumed), then P-EAGLE and EAGLE-3 trained on the
-    same data and budget; {algorithm: export directory}."""
+def _general_drafter(cfg: PeagleConfig, stages: Stages) -> tuple[Path, str]:
+    """Prepared data (reused when present), its capture (resumed), then the general P-EAGLE drafter trained
+    and registered; (export directory, registered version)."""
     from peagle_ray.capture.run import prepare_and_capture, samples_to_capture
     from peagle_ray.data.prepare import read_summary
     from peagle_ray.eval.sweep import run_name_for
     from peagle_ray.train.job import run_training
 
-    regenerated = ", responses regenerated by the target" if cfg.data.regenerate else ""
-    _stage(f"data: {', '.join(cfg.data.sources)}{regenerated}", started)
+    regenerated = ", responses regenerated by the target" if cfg.data.regenerate else ", their recorded answers"
+    stages.start("data", f"{', '.join(cfg.data.sources)}{regenerated}; {cfg.capture.mode} capture")
     prepare = read_summary(cfg.data.output_dir) is None
     if not prepare:
         print(f"[demo] reusing prepared data in {cfg.data.output_dir}")
@@ -115,9 +157,88 @@ def _data_and_training(cfg: PeagleConfig, started: float) -> dict[str, Path]:
     capture = cfg.capture.mode == "offline" and (prepare or bool(samples_to_capture(cfg)[0]))
     if prepare or capture:
         prepare_and_capture(cfg, prepare=prepare, capture=capture)
-    drafters = {}
-    for algorithm in ("peagle", "eagle3"):
-        _stage(f"train {algorithm} ({cfg.capture.mode} capture -> Ray Train)", started)
-        run_cfg = with_values(cfg, {"drafter.algorithm": algorithm, "training.run_name": run_name_for(cfg, algorithm)})
-        drafters[algorithm] = Path(run_training(run_cfg)["export_dir"])
-    return drafters
+    stages.start("general drafter", f"P-EAGLE, {cfg.training.max_steps} steps in Ray Train")
+    general = with_values(cfg, {"drafter.algorithm": "peagle"})
+    trained = run_training(with_values(general, {"training.run_name": run_name_for(general, "peagle")}))
+    return Path(trained["export_dir"]), trained["registered_version"]
+
+
+def _compare_eagle3(cfg: PeagleConfig, general: Path, stages: Stages) -> dict:
+    """EAGLE-3 on the same data and budget, and both evaluated on the general validation split (eval.*)."""
+    from peagle_ray.eval.sweep import evaluate, run_name_for
+    from peagle_ray.train.job import run_training
+
+    stages.start("EAGLE-3 (demo.compare_eagle3)", "the same data and budget")
+    run_cfg = with_values(
+        cfg,
+        {
+            "drafter.algorithm": "eagle3",
+            "training.run_name": run_name_for(cfg, "eagle3"),
+            "tracking.registered_model": None,  # a comparison, not a version the endpoint could serve
+        },
+    )
+    eagle3 = Path(run_training(run_cfg)["export_dir"])
+    stages.start("evaluate", f"target alone, P-EAGLE and EAGLE-3 at K = {cfg.eval.k_values}")
+    evaluated = evaluate(cfg, {"peagle": general, "eagle3": eagle3})
+    print(f"\n{evaluated['table']}\n", flush=True)
+    return evaluated["results"]
+
+
+def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stages) -> str:
+    """The endpoint serving the general drafter (as the registry's `label`) with recording on, and
+    demo.requests of demo.workload sent through it one at a time; the endpoint's URL (it stays up)."""
+    from tqdm import tqdm
+
+    from peagle_ray.bench.adapt import send_traffic, workload_prompts
+    from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.serve.app import start_endpoint
+
+    prompts = workload_prompts(cfg.demo.workload)[: cfg.demo.requests]
+    stages.start("workload", f"{len(prompts)} {cfg.demo.workload} requests through the endpoint, recorded")
+    target = Path(cfg.target.path)
+    url = start_endpoint(with_values(cfg, {"serving.drafter_version": label}), target, read_drafter(general))
+    print(f"[demo] the endpoint serves {label} at {url}, recording to {cfg.serving.record_dir}", flush=True)
+    with tqdm(total=len(prompts), desc="workload", unit="request") as bar:
+        sent = send_traffic(cfg, url, target.name, prompts, cfg.demo.max_tokens, progress=bar)
+    print(f"[demo] {sent['requests']} requests in {sent['seconds']:.0f} s ({sent['failed']} failed)", flush=True)
+    return url
+
+
+def _serve_the_measured(cfg: PeagleConfig, general: Path, label: str, report: dict) -> Path:
+    """The drafter the endpoint ends on: the adapted one when promoted (adapt swapped it in, with the verdict
+    of its held-out measurement), else the general one, redeployed with its own held-out verdict so that a
+    drafter measured slower than the target alone is not served."""
+    from peagle_ray.adapt import heldout_recommendation
+    from peagle_ray.eval.sweep import write_recommendation
+    from peagle_ray.serve.app import swap_drafter
+
+    if report["promote"]:
+        return Path(report["export_dir"])
+    write_recommendation(general, heldout_recommendation(report["measured"]["parent"]["heldout"]))
+    swap_drafter(cfg, general, label, (general, label))
+    return general
+
+
+def results_table(report: dict) -> str:
+    """The target alone, the general and the adapted drafter on the held-out requests (adapt's judge), with
+    the general suite's AL beside them (forgetting), as a markdown table."""
+    measured, k = report["measured"], report["k"]
+    parent = measured["parent"]["heldout"]
+    head = [
+        f"Held-out {report['samples'].get('validation', 0)} recorded requests, greedy, batch 1, K = {k}",
+        "",
+        "| Decoder | AL | Acceptance per position | Tokens/s | Speedup | Mismatches | General-suite AL |",
+        "|---|---:|---|---:|---:|---:|---:|",
+        f"| target alone | 1.00 | - | {parent['baseline_tokens_per_s']:.1f} | 1.00x | - | 1.00 |",
+    ]
+    rows = []
+    for who, name in (("parent", f"general (v{report['parent_version']})"), ("new", f"adapted (v{report['version']})")):
+        row, general = measured[who]["heldout"], measured[who]["general"]
+        spread = f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""
+        positions = " ".join(f"{p:.2f}" for p in row["acceptance_per_position"])
+        rows.append(
+            f"| {name} | {row['acceptance_length']:.2f} | {positions} | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup'] or 0:.2f}x{spread} | {row['greedy_mismatches']} | {general['acceptance_length']:.2f} |"
+        )
+    verdict = f"adapted: {report['why']}; promoted: {report['promote']}"
+    return "\n".join([*head, *rows, "", verdict])

@@ -1,5 +1,7 @@
-"""The main job end to end on the tiny target with a tiny budget: data from the built-in suite with
-regenerated responses, P-EAGLE and EAGLE-3 trained on streamed capture, evaluation, the live endpoint."""
+"""The main job end to end on the tiny target with a tiny budget: the built-in suite's recorded-answer-free
+prompts regenerated into data, a general P-EAGLE drafter trained on its capture and registered, a workload
+sent through the recording endpoint, the drafter adapted to it, judged, promoted or not, and the live
+endpoint serving what the measurement says."""
 
 import json
 import urllib.request
@@ -15,7 +17,7 @@ from peagle_ray.serve.app import free_port
 pytestmark = pytest.mark.vllm
 
 
-def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capfd):
+def test_demo_runs_the_whole_loop(tiny_target, tmp_path, capfd):
     cfg = build_config(
         {
             "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
@@ -26,12 +28,15 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capfd):
                 "max_new_tokens": 16,
                 "output_dir": str(tmp_path / "data"),
             },
-            "capture": {"mode": "online"},
+            "capture": {"mode": "offline", "output_dir": str(tmp_path / "hidden")},
             "drafter": {"num_depths": 2, "draft_vocab_size": 256},
             "training": {"num_workers": 2, "max_steps": 4, "validate_every": 2, "storage_path": str(tmp_path / "runs")},
             "tracking": {"port": free_port()},
             "serving": {"port": free_port(), "log_dir": str(tmp_path / "logs")},
-            "eval": {"k_values": [2], "prompts_per_category": 1, "timing_prompts": 1, "max_new_tokens": 12},
+            "eval": {"suite": "mt-bench", "prompts_per_category": 1, "timing_prompts": 8, "max_new_tokens": 12},
+            "adapt": {"max_steps": 2, "min_requests": 2, "validation_fraction": 0.25, "min_gain": 0.0},
+            # the first 8 coding prompts: 4 land in the held-out split (a stable hash of their ids)
+            "demo": {"workload": "builtin-coding", "requests": 8, "max_tokens": 8},
         }
     )
     answers = []
@@ -49,34 +54,37 @@ def test_demo_runs_the_whole_chain(tiny_target, tmp_path, capfd):
     outcome = run_demo(cfg, wait=False, on_ready=ask)
     out, err = capfd.readouterr()  # the file descriptors: what a person at the console sees, from any process
     (tmp_path / "console.txt").write_text(out + err)
-    results = outcome["eval"]
-    for algorithm in ("peagle", "eagle3"):
-        overall = results[algorithm]["by_k"][2]["overall"]
-        assert set(overall) >= {
-            "k",
-            "acceptance_per_position",
-            "acceptance_length",
-            "tokens_per_s",
-            "baseline_tokens_per_s",
-            "speedup",
-            "greedy_mismatches",
-        }
-        assert overall["greedy_mismatches"] == 0 and overall["tokens_per_s"] > 0
-        assert len(overall["acceptance_per_position"]) == 2 and results[algorithm]["recommended_k"] in (0, 2)
-        assert set(results[algorithm]["by_k"][2]) == {*results["categories"], "overall"}
-    assert results["greedy_mismatches"] == 0 and "speedup_vs_eagle3" in results["peagle"]["best"]["overall"]
+    report = outcome["adapt"]
+    assert report["samples"] == {"train": 4, "validation": 4}
+    for who in ("parent", "new"):
+        heldout = report["measured"][who]["heldout"]
+        assert heldout["greedy_mismatches"] == 0 and heldout["timed_prompts"] == 4
+        assert len(heldout["acceptance_per_position"]) == 2 and heldout["tokens_per_s"] > 0
+    assert f"| general (v{report['parent_version']}) |" in outcome["table"]
+    assert f"| adapted (v{report['version']}) |" in outcome["table"] and outcome["table"] in out
+    assert set(outcome["minutes"]) == {"target", "data", "general drafter", "workload", "adapt"}
+    assert "| Stage | Minutes |" in out and "| total |" in out
+    assert json.loads(Path(outcome["json"]).read_text())["adapt"]["version"] == report["version"]
+
+    # the endpoint ends on the adapted drafter when promoted, else on the general one; either drafts only
+    # where its held-out measurement was faster than the target alone
+    served = Path(report["export_dir"] if report["promote"] else outcome["served"])
+    recommendation = json.loads((served / "recommendation.json").read_text())
     assert isinstance(answers[0], str)
-    if results["peagle"]["recommended_k"]:  # measured faster than the target alone: served with its drafter
-        assert answers[1]["algorithm"] == "peagle" and answers[1]["drafts"] > 0 and "drafter:  peagle at K = 2" in out
+    if recommendation["draft"]:
+        assert answers[1]["algorithm"] == "peagle" and answers[1]["drafts"] > 0
     else:  # a random tiny drafter is usually slower: the endpoint serves the target alone and says why
         assert answers[1]["algorithm"] is None and answers[1]["drafts"] == 0
-        assert "the target alone is served" in out and results["peagle"]["recommendation"] in out
-    assert "| Category | Pos 1 | Pos 2 | Avg Length |" in out and "MLflow UI: http://127.0.0.1:" in out
-    assert "curl" in out and outcome["endpoint"] in out
+        assert "the target alone is served" in out and recommendation["reason"] in out
+    recorded = [
+        json.loads(line) for f in (Path(cfg.training.storage_path) / "traffic").glob("*.jsonl") for line in f.open()
+    ]
+    assert len(recorded) >= 9  # the workload and the question asked of the live endpoint: recording stays on
+
+    assert "MLflow UI: http://127.0.0.1:" in out and "curl" in out and outcome["endpoint"] in out
     assert "[demo] logs: " in out and "INFO" not in out + err, (out + err)[-3000:]  # INFO lines go to log files
     client = MlflowClient(f"sqlite:///{Path(cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
+    versions = client.search_model_versions(f"name = '{cfg.tracking.registered_model}'")
+    assert {str(v.version) for v in versions} == {report["parent_version"], report["version"]}
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
-    assert {"peagle", "peagle-eagle3"} <= set(runs)
-    for run in runs.values():
-        assert client.get_metric_history(run.info.run_id, "eval/acceptance_length")[0].step == 2
-        assert client.get_metric_history(run.info.run_id, "train/loss")
+    assert "peagle" in runs and client.get_metric_history(runs["peagle"].info.run_id, "train/loss")

@@ -13,6 +13,7 @@ pick instead? One run per workload, every figure from one machine and one run:
 
 Workloads (each a real task family, not a benchmark's mix):
   humaneval        code completion: HumanEval's 164 function stubs as user turns (the `data` extra).
+  builtin-CATEGORY one category of the built-in suite (40 prompts; e.g. builtin-coding).
   sharegpt-WORD    one task family from real chat traffic: ShareGPT first turns containing WORD (e.g.
                    sharegpt-email: "write an email ..."), prose with shared structure.
 
@@ -37,9 +38,15 @@ def workload_prompts(name: str) -> list:
     """The workload's prompts (data.public.EvalPrompt), in a stable order."""
     from peagle_ray.data.prepare import BadRows
     from peagle_ray.data.public import EvalPrompt, humaneval_prompts, sharegpt_conversations
+    from peagle_ray.data.suite import CATEGORIES, builtin_conversations
 
     if name == "humaneval":
         return humaneval_prompts()
+    if name.startswith("builtin-") and name[len("builtin-") :] in CATEGORIES:
+        return [
+            EvalPrompt(c.sample_id, name, [m for m in c.messages if m["role"] != "assistant"])
+            for c in builtin_conversations((name[len("builtin-") :],))
+        ]
     if name.startswith("sharegpt-") and len(name) > len("sharegpt-"):
         word = re.compile(rf"\b{re.escape(name.split('-', 1)[1])}\b", re.IGNORECASE)
         out = []
@@ -48,7 +55,10 @@ def workload_prompts(name: str) -> list:
             if word.search(user) and len(user) < 2000:
                 out.append(EvalPrompt(c.sample_id, name, [{"role": "user", "content": user}]))
         return out
-    raise ConfigError(f"workload must be 'humaneval' or 'sharegpt-WORD' (e.g. sharegpt-email); got {name!r}")
+    raise ConfigError(
+        "workload must be 'humaneval', 'sharegpt-WORD' (e.g. sharegpt-email) or 'builtin-CATEGORY' (one of "
+        f"{', '.join(CATEGORIES)}); got {name!r}"
+    )
 
 
 def split_prompts(prompts: list, heldout_fraction: float, train_count: int, heldout_count: int):
@@ -133,9 +143,8 @@ def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, 
 
 
 def record_traffic(cfg: PeagleConfig, base: Path, prompts: list, max_tokens: int) -> dict:
-    """The train split through the recording endpoint, one request at a time, the endpoint's default sampling."""
-    import openai
-
+    """The train split through the recording endpoint (serving `base` as the registry's version 1), then the
+    endpoint stopped; send_traffic's figures."""
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import start_endpoint, stop_endpoint
     from peagle_ray.target import resolve_target_path
@@ -143,16 +152,33 @@ def record_traffic(cfg: PeagleConfig, base: Path, prompts: list, max_tokens: int
     target = resolve_target_path(cfg)
     versioned = with_values(cfg, {"serving.drafter_version": f"{cfg.tracking.registered_model}/1"})
     url = start_endpoint(versioned, target, read_drafter(base))
-    api = openai.OpenAI(base_url=f"{url}/v1", api_key=cfg.serving.api_token or "none", max_retries=0, timeout=600)
-    failed, started = 0, time.monotonic()
     try:
-        for prompt in prompts:
-            try:
-                api.chat.completions.create(model=target.name, messages=prompt.messages, max_tokens=max_tokens)
-            except openai.OpenAIError:
-                failed += 1
+        return send_traffic(cfg, url, target.name, prompts, max_tokens)
     finally:
         stop_endpoint()
+
+
+def send_traffic(cfg: PeagleConfig, url: str, model: str, prompts: list, max_tokens: int, progress=None) -> dict:
+    """`prompts` (data.public.EvalPrompt) to the endpoint at `url` as an OpenAI client would: one at a time, the
+    endpoint's default sampling; {"requests", "failed", "seconds"}. A failed request is counted, not raised.
+    progress: a tqdm-like bar to update per request (None: silent)."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key=cfg.serving.api_token or "none", max_retries=0, timeout=600)
+    failed, started = 0, time.monotonic()
+    for prompt in prompts:
+        try:
+            api.chat.completions.create(
+                model=model,
+                messages=prompt.messages,
+                max_tokens=max_tokens,
+                extra_body={"metadata": {"conversation_id": prompt.prompt_id}},  # adapt splits by it
+            )
+        except openai.OpenAIError:
+            failed += 1
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(failed=failed)
     return {"requests": len(prompts), "failed": failed, "seconds": round(time.monotonic() - started, 1)}
 
 

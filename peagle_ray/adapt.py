@@ -63,19 +63,24 @@ def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, u
 
 
 def decide(cfg: PeagleConfig, parent: dict, child: dict) -> dict:
-    """Promote or not, from {"heldout": row, "general": row} of each version (rows as eval's "overall").
+    """Promote or not, from {"heldout": row, "general": row} of each version (rows as eval's "overall"). The
+    general suite's loss counts as forgetting only where it is measurable: less two standard errors of the
+    per-category differences (regression_error; the loss itself without them) above adapt.max_regression.
 
     e.g. heldout AL 1.20 -> 1.65 and general 1.18 -> 1.17 with min_gain 0.05, max_regression 0.02 ->
     {"gain": 0.45, "regression": 0.01, "promote": True, "why": "..."}."""
     gain = child["heldout"]["acceptance_length"] - parent["heldout"]["acceptance_length"]
     regression = parent["general"]["acceptance_length"] - child["general"]["acceptance_length"]
+    se = regression_error(parent["general"], child["general"])
     mismatches = child["heldout"]["greedy_mismatches"] + child["general"]["greedy_mismatches"]
     reasons = []
     if gain < cfg.adapt.min_gain:
         reasons.append(f"held-out AL gain {gain:+.3f} < adapt.min_gain {cfg.adapt.min_gain}")
-    if regression > cfg.adapt.max_regression:
+    if regression - 2 * (se or 0.0) > cfg.adapt.max_regression:
+        spread = f" (+- {se:.3f} over its categories)" if se is not None else ""
         reasons.append(
-            f"{cfg.adapt.general_suite} AL loss {regression:.3f} > adapt.max_regression {cfg.adapt.max_regression}"
+            f"{cfg.adapt.general_suite} AL loss {regression:.3f}{spread} > adapt.max_regression "
+            f"{cfg.adapt.max_regression}"
         )
     if mismatches and cfg.target.dtype == "float32":
         reasons.append(f"{mismatches} greedy outputs differ from the target's (float32 must be lossless)")
@@ -85,6 +90,17 @@ def decide(cfg: PeagleConfig, parent: dict, child: dict) -> dict:
         "promote": not reasons,
         "why": "; ".join(reasons) or "held-out gain and general-suite loss within bounds",
     }
+
+
+def regression_error(parent: dict, child: dict) -> float | None:
+    """The standard error of the general suite's AL loss, from the paired per-category losses (each row's
+    "by_category" AL, as judge records it); None without per-category figures for at least 2 categories.
+
+    e.g. by_category {"a": 1.2, "b": 1.3} -> {"a": 1.1, "b": 1.3}: losses [0.1, 0.0] -> 0.05."""
+    from peagle_ray.eval.sweep import standard_error
+
+    before, after = parent.get("by_category") or {}, child.get("by_category") or {}
+    return standard_error([before[c] - after[c] for c in sorted(before) if c in after])
 
 
 def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: int) -> dict:
@@ -104,9 +120,13 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
     for name, directory in drafters.items():
         print(f"[adapt] judging: {name} drafter at K = {k}", flush=True)
         run = run_engine(cfg, target, speculative_config(read_drafter(directory), k), prompts, cfg.eval.timing_prompts)
+        general = summarize(k, *(_only(r, lambda c: c != TRAFFIC) for r in (baseline, run)))
         out[name] = {
             "heldout": summarize(k, *(_only(r, lambda c: c == TRAFFIC) for r in (baseline, run)))["overall"],
-            "general": summarize(k, *(_only(r, lambda c: c != TRAFFIC) for r in (baseline, run)))["overall"],
+            "general": {
+                **general["overall"],
+                "by_category": {c: row["acceptance_length"] for c, row in general.items() if c != "overall"},
+            },
         }
     return out
 

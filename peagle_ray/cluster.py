@@ -8,6 +8,7 @@ node a worker restarts, so a local `training.storage_path` works only where ever
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -20,8 +21,25 @@ def ensure_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else None, log_to_driver=False)
+        # the console keeps warnings; Ray's INFO lines are in /tmp/ray/session_latest/logs
+        ray.init(address="auto" if joined_cluster() else None, log_to_driver=False, logging_level=logging.WARNING)
         stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)
+    quiet_serve_console()
+
+
+def quiet_serve_console() -> None:
+    """Serve's driver-side logger prints each deploy and delete ("Application ... is ready") at INFO to the
+    console only (the controller's own log in /tmp/ray/session_latest/logs/serve has them); keep its warnings.
+    Importing ray.serve sets that logger to INFO, so it is imported here first."""
+    import ray.serve  # noqa: F401
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
+def joined_cluster() -> bool:
+    """Whether ensure_ray joins a running cluster (RAY_ADDRESS set) rather than starting one that ray.shutdown()
+    takes down with everything on it."""
+    return bool(os.environ.get("RAY_ADDRESS"))
 
 
 def alive_nodes() -> list[dict]:
@@ -61,3 +79,20 @@ def unshared_nodes(directory: Path) -> list[str]:
     finally:
         marker.unlink(missing_ok=True)
     return [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n, ok in zip(nodes, seen) if not ok]
+
+
+def ensure_serve_http(host: str, port: int, replace: bool = True) -> None:
+    """Start Serve with its HTTP proxy on host:port (serving.host / serving.port). Serve keeps the HTTP options
+    it first started with, so every stage starts it this way (the capture target too). With replace, a Serve
+    instance running with other options is shut down (its applications with it) and started again, which
+    kills its controller mid-task (Ray prints "killed by ray.kill" on the console); without, it is kept."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is not None:
+        current = client.http_config
+        if (current.host, current.port) == (host, port) or not replace:
+            return
+        serve.shutdown()
+    serve.start(http_options={"host": host, "port": port})

@@ -67,7 +67,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     from ray import serve
 
     from peagle_ray.adapt import run_adapt
-    from peagle_ray.cluster import ensure_ray
+    from peagle_ray.cluster import ensure_ray, joined_cluster
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import drafting_line, endpoint_banner, stop_endpoint
     from peagle_ray.tracking import tracking_uri
@@ -121,8 +121,11 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
         finally:
             try:
                 stop_endpoint()
-                serve.shutdown()
+                if joined_cluster():  # a cluster we joined keeps running: leave it without our Serve instance
+                    serve.shutdown()
             finally:
+                # a local cluster goes with everything on it; serve.shutdown() there only made Ray print the
+                # controller's own graceful_shutdown task as "killed by ray.kill" on the console
                 ray.shutdown()
 
 

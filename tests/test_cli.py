@@ -120,3 +120,19 @@ def test_ray_data_info_lines_stay_off_the_console():
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console
     assert "probe-warning" in console and "probe-info" not in console
+
+
+@pytest.mark.ray
+def test_ray_and_serve_info_lines_stay_off_the_console(tmp_path):
+    """Joining or starting Ray through ensure_ray keeps Ray's and Serve's INFO lines ("Started a local Ray
+    instance", "Application ... is ready") off the console; their warnings still reach it."""
+    probe = (
+        "import logging, ray; from peagle_ray.cluster import ensure_ray; ensure_ray(); "
+        "logging.getLogger('ray.serve').info('probe-info'); logging.getLogger('ray.serve').warning('probe-warning'); "
+        "logging.getLogger('ray').info('probe-ray-info'); ray.shutdown()"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console
+    assert "probe-warning" in console and "probe-info" not in console and "probe-ray-info" not in console
+    assert "INFO" not in console, console

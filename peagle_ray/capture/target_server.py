@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from ray import serve
 
+from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
 
@@ -149,6 +150,8 @@ def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
         max_replicas_per_node=cfg.capture.max_replicas_per_node,
         ray_actor_options=options,
     ).bind(spec)
+    # the endpoint's options, so that it need not restart Serve later; a running Serve (an endpoint's) is kept
+    ensure_serve_http(cfg.serving.host, cfg.serving.port, replace=False)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ray import serve
 
+from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import cli_args, engine_args, target_engine_env
 from peagle_ray.export.speculators import DrafterInfo, export_dir, read_drafter, speculative_config
@@ -269,20 +270,6 @@ def recording(cfg: PeagleConfig) -> Recording | None:
         return None
     mb = 1 << 20
     return Recording(str(Path(s.record_dir).resolve()), int(s.record_file_mb * mb), int(s.record_max_mb * mb))
-
-
-def ensure_serve_http(host: str, port: int) -> None:
-    """Start Serve's HTTP proxy on host:port. A Serve instance already running elsewhere (e.g. the one the
-    capture target started with default options) is shut down first: Serve keeps its first HTTP options."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is not None:
-        current = client.http_config
-        if (current.host, current.port) == (host, port):
-            return
-        serve.shutdown()
-    serve.start(http_options={"host": host, "port": port})
 
 
 def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None) -> str:

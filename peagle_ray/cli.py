@@ -345,11 +345,14 @@ COMMANDS = [
                 help="Stop everything after printing the results instead of serving until Ctrl-C.",
             ),
         ),
-        description="Starts a local Ray cluster and MLflow server, prepares the target, prepares data.sources, "
-        "trains P-EAGLE on the capture (streamed, or written once with capture.mode: offline) and the EAGLE-3 "
-        "baseline on the same data, evaluates on eval.suite, exports, and serves the P-EAGLE drafter until "
-        "Ctrl-C. Rerunning resumes. `make demo` uses configs/demo.yaml; configs/cpu-full.yaml is the best CPU "
-        "recipe.",
+        description="Starts a local Ray cluster and MLflow server, prepares the target and data.sources, trains "
+        "a general P-EAGLE drafter on their capture and registers it, serves it with recording on and sends "
+        "demo.requests of demo.workload through the endpoint, adapts the drafter to that recording (`adapt`: "
+        "judged against the general one on the held-out requests and adapt.general_suite, promoted and swapped "
+        "in when it gains), prints one table and the minutes of each stage, and serves until Ctrl-C - drafting "
+        "only where its held-out measurement was faster than the target alone. demo.compare_eagle3 adds the "
+        "EAGLE-3 baseline on the same data and budget. Rerunning resumes. `make demo` uses configs/demo.yaml; "
+        "configs/cpu-full.yaml is the best CPU recipe.",
     ),
 ]
 

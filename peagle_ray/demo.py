@@ -42,7 +42,8 @@ class Stages:
     def start(self, name: str, detail: str = "") -> None:
         now = time.monotonic()
         self.rows.append((name, now))
-        print(f"\n[demo] === {name}{': ' + detail if detail else ''} ({(now - self.started) / 60:.1f} min in) ===")
+        header = f"{name}: {detail}" if detail else name
+        print(f"\n[demo] === {header} ({(now - self.started) / 60:.1f} min in) ===", flush=True)
 
     def finish(self) -> None:
         self.ended = time.monotonic()
@@ -60,8 +61,7 @@ class Stages:
 
 def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> dict:
     """Run every stage; returns {"endpoint", "served" (the drafter dir), "mlflow", "adapt", "table", "minutes",
-    "json"} (and "eval" with
-    demo.compare_eagle3). With wait, serve until Ctrl-C (or SIGTERM / SIGHUP through the CLI), which stops
+    "json"} (and "eval" with demo.compare_eagle3). With wait, serve until Ctrl-C (or SIGTERM / SIGHUP through the CLI), which stops
     everything and raises KeyboardInterrupt; otherwise call on_ready(endpoint_url) (if given) and stop."""
     import ray
     from ray import serve

@@ -20,8 +20,13 @@ def test_split_is_by_prompt_stable_and_disjoint():
 
 def test_workloads_are_named_and_humaneval_reads_offline():
     assert len(workload_prompts("humaneval")) == 164
-    with pytest.raises(ConfigError, match="workload must be 'humaneval' or 'sharegpt-WORD'.*got 'mtbench'"):
+    coding = workload_prompts("builtin-coding")  # the built-in suite's category: its prompts, no answers
+    assert len(coding) == 40 and coding[0].prompt_id == "coding-000" and coding[0].category == "builtin-coding"
+    assert all(m["role"] != "assistant" for p in coding for m in p.messages)
+    with pytest.raises(ConfigError, match="workload must be 'humaneval', 'sharegpt-WORD' .*got 'mtbench'"):
         workload_prompts("mtbench")
+    with pytest.raises(ConfigError, match="'builtin-CATEGORY' \\(one of coding, math.*got 'builtin-poetry'"):
+        workload_prompts("builtin-poetry")
 
 
 def test_goals_compare_within_the_run():

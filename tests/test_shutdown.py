@@ -113,7 +113,7 @@ def test_sigterm_to_the_demo_mid_run_stops_mlflow_ray_and_the_target(tiny_target
             "data.max_new_tokens=64",
         ),
         tmp_path / "demo.log",
-        "Application 'peagle-target' is ready",
+        "prepare: ",  # regeneration's bar: it starts once the target is up (Serve's INFO lines stay off the console)
     )
     assert not port_is_free(mlflow_port)  # the local MLflow server is up
     stop_and_check(demo, signal.SIGTERM, tmp_path / "demo.log")

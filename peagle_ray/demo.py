@@ -217,8 +217,10 @@ def _serve_the_measured(cfg: PeagleConfig, general: Path, label: str, report: di
 
     if report["promote"]:
         return Path(report["export_dir"])
-    write_recommendation(general, heldout_recommendation(report["measured"]["parent"]["heldout"]))
-    swap_drafter(cfg, general, label, (general, label))
+    verdict = heldout_recommendation(report["measured"]["parent"]["heldout"])
+    write_recommendation(general, verdict)
+    if not verdict.draft:  # the endpoint drafts with it now: redeploy (a new replica) only to stop drafting
+        swap_drafter(cfg, general, label, (general, label))
     return general
 
 

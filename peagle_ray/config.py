@@ -64,9 +64,10 @@ class TargetConfig(_Section):
     """KV-cache GiB given to each CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE, whole GiB); ignored on GPU."""
 
     cpu_reserved_cores: int | None = Field(default=None, ge=0)
-    """CPU cores each CPU vLLM engine keeps free of model threads for its scheduler process
-    (VLLM_CPU_NUM_OF_RESERVED_CPU). None keeps vLLM's default: one core per worker, which is cheap on a big
-    host but half of a 2-core one (the demo sets 0: decoding ~1.4x faster there); ignored on GPU."""
+    """CPU cores each CPU vLLM engine keeps free of model threads (VLLM_CPU_NUM_OF_RESERVED_CPU): its model
+    runs on the node's other cores (engine.use_local_cores). None: 0, every core (vLLM's own default of one
+    core per worker was for a scheduler process that busy-waits; peagle-ray runs the model inside that
+    process, engine.py); ignored on GPU."""
 
 
 class DataConfig(_Section):

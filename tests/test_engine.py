@@ -1,5 +1,7 @@
 """The environment every CPU vLLM engine is started with (peagle_ray.engine)."""
 
+import os
+
 import pytest
 
 from peagle_ray.config import PeagleConfig, with_values
@@ -63,3 +65,27 @@ def test_server_flags_parse_back_to_the_same_engine_arguments(tmp_path):
     direct = EngineArgs(**args)
     for field in args:
         assert getattr(parsed, field) == getattr(direct, field), field
+
+
+def test_a_cpu_engine_runs_its_model_in_the_engine_core_process(tmp_path):
+    from peagle_ray.engine import engine_args
+
+    cfg = PeagleConfig()
+    assert engine_args(cfg, tmp_path, on_gpu=False)["distributed_executor_backend"] == "uni"
+    assert "distributed_executor_backend" not in engine_args(cfg, tmp_path, on_gpu=True)  # vLLM's default
+    assert vllm_cpu_env(1, {})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert vllm_cpu_env(1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_the_model_threads_take_the_cores_an_engine_may_use(monkeypatch):
+    from peagle_ray.engine import use_local_cores
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it in an actor that claims no CPU
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert use_local_cores() is None and os.environ["OMP_NUM_THREADS"] == "1"  # a GPU engine's: unchanged
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert use_local_cores() == cores and os.environ["OMP_NUM_THREADS"] == str(cores)
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cores))
+    assert use_local_cores() == 1  # never fewer than one thread

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import engine_args, target_engine_env
+from peagle_ray.engine import engine_args, target_engine_env, use_local_cores
 
 
 def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[list[int]]:
@@ -38,6 +38,7 @@ def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[
 
 
 def _prefill_child(args_file: str, sequences_file: str) -> None:
+    use_local_cores()
     from vllm import LLM, SamplingParams
 
     sequences = json.loads(Path(sequences_file).read_text())
@@ -84,7 +85,9 @@ def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256, replicas
         args_file = Path(tmp) / "engine_args.json"
         args_file.write_text(json.dumps(engine_args(cfg, target_dir, cfg.capture.num_gpus > 0)))
         cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(args_file), str(seq_file)]
-        child = subprocess.run(cmd, capture_output=True, text=True, env=target_engine_env(cfg.target))
+        child = subprocess.run(
+            cmd, capture_output=True, text=True, env=target_engine_env(cfg.target, on_gpu=cfg.capture.num_gpus > 0)
+        )
         if child.returncode != 0:
             raise RuntimeError(f"prefill benchmark failed: {child.stderr[-2000:]}")
         result = next(line for line in child.stdout.splitlines() if line.startswith("RESULT "))

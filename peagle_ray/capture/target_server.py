@@ -24,7 +24,7 @@ from ray import serve
 
 from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import engine_args, target_engine_env
+from peagle_ray.engine import engine_args, target_engine_env, use_local_cores
 
 APP_NAME = "peagle-target"
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "peagle_ray.capture.connector")
@@ -68,6 +68,7 @@ class TargetServer:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        use_local_cores()
         self.storage_dir = tempfile.mkdtemp(prefix="peagle-hidden-")
         args = AsyncEngineArgs(**spec.engine_args, kv_transfer_config=kv_transfer_config(spec.on_gpu, self.storage_dir))
         self.engine = AsyncLLM.from_engine_args(args)
@@ -141,7 +142,7 @@ def engine_spec(cfg: PeagleConfig, target_dir, num_target_layers: int) -> Engine
 def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
     """Deploy the target (blocking until ready) and return its handle. Ray must be initialised."""
     spec = engine_spec(cfg, target_dir, num_target_layers)
-    env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
+    env = target_engine_env(cfg.target, {}, spec.on_gpu)  # only the engine settings, not this process's environment
     # On CPU the engine uses the cores regardless; reserving them would starve the Ray Data actors on a
     # small machine, so the replica claims none. On GPU it claims capture.num_gpus.
     options = {"num_cpus": 0, "num_gpus": cfg.capture.num_gpus, "runtime_env": {"env_vars": env}}

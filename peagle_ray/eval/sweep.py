@@ -121,7 +121,7 @@ def run_engine(
                 [sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env=target_engine_env(cfg.target),
+                env=target_engine_env(cfg.target, on_gpu=torch.cuda.is_available()),
             )
         if proc.returncode != 0:
             raise RuntimeError(

@@ -1,5 +1,5 @@
-"""One vLLM engine configuration of an evaluation, run in its own process (vLLM spawns workers, and a fresh
-process per configuration keeps timings independent):
+"""One vLLM engine configuration of an evaluation, run in its own process (a fresh process per configuration keeps
+timings independent; on CPU vLLM's engine core and model run inside it, engine.py):
 
     python -m peagle_ray.eval.vllm_run SPEC.json OUT.json
 
@@ -28,6 +28,9 @@ from pathlib import Path
 
 
 def run(spec: dict) -> dict:
+    from peagle_ray.engine import use_local_cores
+
+    use_local_cores()
     from vllm import LLM, SamplingParams
 
     from peagle_ray.serve.stats import SpecStats, counters_from_snapshot

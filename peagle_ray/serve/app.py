@@ -29,7 +29,7 @@ from ray import serve
 
 from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import cli_args, engine_args, target_engine_env
+from peagle_ray.engine import cli_args, engine_args, target_engine_env, use_local_cores
 from peagle_ray.export.speculators import DrafterInfo, export_dir, read_drafter, speculative_config
 from peagle_ray.serve.limits import Limits, admit
 from peagle_ray.serve.record import CURRENT_REQUEST
@@ -170,6 +170,7 @@ class OpenAIEndpoint:
 
         from peagle_ray.serve.stats import SpecStatsCollector, current_stats
 
+        use_local_cores()
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.spec.vllm_args)
         self._engine_context = build_async_engine_client(args)
         self.engine = await self._engine_context.__aenter__()
@@ -240,7 +241,9 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | Non
         cfg.serving.drafter_version,
         recording(cfg),
     )
-    env = target_engine_env(cfg.target, {})  # only the engine settings, not this process's environment
+    env = target_engine_env(
+        cfg.target, {}, cfg.serving.num_gpus > 0
+    )  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
     # max_surge_percent 100: on a new drafter the old replica serves until its replacement is ready (swap)
     return OpenAIEndpoint.options(ray_actor_options=options, max_surge_percent=100).bind(spec)

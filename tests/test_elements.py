@@ -1,4 +1,4 @@
-"""COD sampling, training positions, attention mask, amortized mask, partitioning: literal expectations."""
+"""COD sampling, training positions, attention mask, partitioning: literal expectations."""
 
 import pytest
 import torch

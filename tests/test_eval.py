@@ -17,7 +17,7 @@ from peagle_ray.eval.sweep import (
     write_recommendation,
 )
 from peagle_ray.export.speculators import Recommendation
-from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
+from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
 
 BASELINE = {
     "acceptance": {

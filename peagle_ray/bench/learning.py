@@ -137,7 +137,7 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object
     eval.max_new_tokens, eval.prompts_per_category per category, K = drafter.num_depths)."""
     from peagle_ray.eval.sweep import eval_prompts, run_engine
     from peagle_ray.export.speculators import export_drafter, read_drafter, speculative_config
-    from peagle_ray.serve.stats import SpecStats
+    from peagle_ray.spec_counters import SpecStats
     from peagle_ray.train.job import check_inputs
 
     inputs = check_inputs(cfg)

@@ -26,15 +26,16 @@ from safetensors.torch import save_file
 from peagle_ray.config import PeagleConfig
 from peagle_ray.target import read_target_info
 
-# The peer trainer was not re-run here; these are its figures from ../shared/DESIGN.md (same machine type,
-# same drafter shape, fp32), quoted so the JSON stands on its own.
+# The peer trainer was not re-run here; these are its figures as the team measured them before this project
+# began (the design notes, outside this repository: same machine type, same drafter shape, fp32), quoted so
+# the JSON stands on its own.
 PEER_TRAINER = {
     "ran": False,
     "reason": "speculators 0.9.0 is not a dependency of this project: on CPU it trains only after runtime "
     "patches to its accelerator calls, and it reads its own hidden-state files, not our shards, so "
     "running it on the same records needs a converter and a patched copy of its trainer",
     "reference_tokens_per_s": {"N1024_K4": 310, "N4096_K8": 123, "N8192": "out of memory on 24 GB"},
-    "reference_source": "DESIGN.md: speculators P-EAGLE, --draft-attn-impl sdpa --loss-implementation eager",
+    "reference_source": "the design notes (not in this repository): speculators P-EAGLE, --draft-attn-impl sdpa --loss-implementation eager",
 }
 
 

@@ -8,7 +8,7 @@ Each configuration is one vLLM engine in its own process (`vllm_run`): the first
 a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
 split (the prompt part of each conversation), MT-Bench or HumanEval; eval.prompts_per_category per category.
 
-Per category and overall (DESIGN.md §4): k, acceptance_per_position, acceptance_length, tokens_per_s,
+Per category and overall: k, acceptance_per_position, acceptance_length, tokens_per_s,
 baseline_tokens_per_s, speedup, greedy_mismatches; and step_cost_vs_target, what one decode step (draft +
 verify) costs in target-alone steps, measured on the timing prompts: speedup = their AL / step_cost.
 """
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.export.speculators import Recommendation, read_drafter, speculative_config
-from peagle_ray.serve.stats import SpecStats
+from peagle_ray.spec_counters import SpecStats
 
 ALGORITHMS = ("eagle3", "peagle")
 

@@ -33,7 +33,7 @@ def run(spec: dict) -> dict:
     use_local_cores()
     from vllm import LLM, SamplingParams
 
-    from peagle_ray.serve.stats import SpecStats, counters_from_snapshot
+    from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
 
     started = time.perf_counter()
     llm = LLM(**spec["engine_args"])

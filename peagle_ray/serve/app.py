@@ -168,7 +168,8 @@ class OpenAIEndpoint:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        from peagle_ray.serve.stats import SpecStatsCollector, current_stats
+        from peagle_ray.serve.stats import SpecStatsCollector
+        from peagle_ray.spec_counters import current_stats
 
         use_local_cores()
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.spec.vllm_args)

@@ -151,8 +151,8 @@ def run_adapt(cfg: PeagleConfig) -> dict:
     from peagle_ray.data.sources import check_sources
     from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
     from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.train.job import run_training
     from peagle_ray.tracking import aliased_version, download_version, tracking_uri
+    from peagle_ray.train.job import run_training
 
     name = cfg.tracking.registered_model
     if not name:

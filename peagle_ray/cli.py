@@ -577,7 +577,7 @@ def signature_defaults(module: str, function: str) -> dict:
     node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
     params = node.args.args[len(node.args.args) - len(node.args.defaults) :]
     out = {}
-    for param, default in zip(params, node.args.defaults):
+    for param, default in zip(params, node.args.defaults, strict=True):
         try:
             out[param.arg] = ast.literal_eval(default)
         except ValueError:
@@ -656,11 +656,8 @@ def _stop_local_ray() -> None:
 
     if _ray_running():
         if "ray.serve" in sys.modules and not os.environ.get("RAY_ADDRESS"):  # replicas first, gracefully:
-            # a vLLM engine process outlives a killed replica
-            from ray.serve.context import _get_global_client
-
-            if _get_global_client(raise_if_no_controller_running=False) is not None:
-                sys.modules["ray.serve"].shutdown()
+            # a vLLM engine process outlives a killed replica (no controller: nothing to shut down)
+            sys.modules["ray.serve"].shutdown()
         sys.modules["ray"].shutdown()
 
 

@@ -78,7 +78,7 @@ def unshared_nodes(directory: Path) -> list[str]:
         seen = ray.get(pinned, timeout=120)
     finally:
         marker.unlink(missing_ok=True)
-    return [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n, ok in zip(nodes, seen) if not ok]
+    return [f"{n['NodeID'][:12]} ({n['NodeManagerAddress']})" for n, ok in zip(nodes, seen, strict=True) if not ok]
 
 
 def ensure_serve_http(host: str, port: int, replace: bool = True) -> None:

@@ -51,7 +51,7 @@ class Stages:
     def minutes(self) -> dict[str, float]:
         """{stage: minutes}, each stage lasting until the next one started (the last until finish)."""
         ends = [start for _, start in self.rows[1:]] + [self.ended or time.monotonic()]
-        return {name: round((end - start) / 60, 2) for (name, start), end in zip(self.rows, ends)}
+        return {name: round((end - start) / 60, 2) for (name, start), end in zip(self.rows, ends, strict=True)}
 
     def table(self) -> str:
         minutes = self.minutes()

@@ -65,7 +65,7 @@ class SpecStats:
 def add_lists(a: list[int], b: list[int], sign: int = 1) -> list[int]:
     """a + sign * b, the shorter padded with zeros: e.g. [3, 1] + [2, 1, 1] -> [5, 2, 1]."""
     n = max(len(a), len(b))
-    return [x + sign * y for x, y in zip(list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b)))]
+    return [x + sign * y for x, y in zip(list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b)), strict=True)]
 
 
 def counters_from_snapshot(metrics) -> dict[str, int | list[int]]:

@@ -38,9 +38,9 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(tokenizer):
     assert (
         ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
     )
-    masked = [tokenizer.decode([t for t, m in zip(ids, mask) if m])]
+    masked = [tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])]
     assert masked == ["Hello there<|im_end|>\nSee you<|im_end|>\n"]
-    unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    unmasked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
     assert unmasked == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"

@@ -43,7 +43,7 @@ def test_hf_and_vllm_greedy_decode_the_same_tokens(tiny_target):
         env=vllm_cpu_env(1),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(s for s in result.stdout.splitlines() if s.startswith("RESULT "))
     vllm_tokens = json.loads(line.removeprefix("RESULT "))
     assert all(len(t) > 0 for t in hf)
     assert vllm_tokens == hf

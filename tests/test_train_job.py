@@ -233,7 +233,7 @@ def test_later_epochs_replay_the_first_instead_of_capturing_again():
         shard = CountingShard(rows)
         out = list(cycle_records(shard, 3, limit))
         assert shard.streams == streams and len(out) == 15, limit
-        for got, want in zip(out, rows * 3):
+        for got, want in zip(out, rows * 3, strict=True):
             assert got.keys() == want.keys() and got["sample_id"] == want["sample_id"]
             assert np.array_equal(got["input_ids"], want["input_ids"])
             assert np.array_equal(got["aux_hidden"], want["aux_hidden"]) and got["aux_hidden"].dtype == np.float32

@@ -29,10 +29,12 @@ def records(tiny_target):
     out = []
     for user, assistant in CONVERSATIONS:
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        render = lambda m, **kw: tokenizer(
-            tokenizer.apply_chat_template(m, tokenize=False, **kw),  # noqa: E731
-            add_special_tokens=False,
-        )["input_ids"]
+
+        def render(m, **kw):
+            return tokenizer(tokenizer.apply_chat_template(m, tokenize=False, **kw), add_special_tokens=False)[
+                "input_ids"
+            ]
+
         prompt, full = render(messages[:1], add_generation_prompt=True), render(messages)
         ids = torch.tensor(full)
         loss_mask = torch.zeros(len(full), dtype=torch.bool)

@@ -84,12 +84,12 @@ def count_baseline(teacher, train: list[dict], validation: list[dict], depths: i
         seqs = [to_sequence(r) for r in records]
         labelled = [(s, teacher_labels(teacher, s)) for s in seqs]
         return [
-            [torch.cat(x) for x in zip(*(depth_pairs(s.tokens, y, s.supervised, d) for s, y in labelled))]
+            [torch.cat(x) for x in zip(*(depth_pairs(s.tokens, y, s.supervised, d) for s, y in labelled), strict=True)]
             for d in range(depths)
         ]
 
     accuracy = []
-    for (train_in, train_out), (val_in, val_out) in zip(pairs(train), pairs(validation)):
+    for (train_in, train_out), (val_in, val_out) in zip(pairs(train), pairs(validation), strict=True):
         if len(val_in) == 0 or len(train_in) == 0:
             accuracy.append(math.nan)
             continue
@@ -115,7 +115,7 @@ def layer_statistics(records: list[dict], layer_ids: list[int], top: int = 3) ->
     """Per aux layer over the records: max |h|, the `top` channels by max |h|, the median RMS of a position."""
     aux = torch.cat([torch.as_tensor(r["aux_hidden"]).float() for r in records])
     rows = []
-    for layer, chunk in zip(layer_ids, aux.chunk(len(layer_ids), dim=-1)):
+    for layer, chunk in zip(layer_ids, aux.chunk(len(layer_ids), dim=-1), strict=True):
         peak = chunk.abs().amax(0)
         values, channels = peak.topk(min(top, peak.numel()))
         median_rms = float(chunk.pow(2).mean(-1).sqrt().median())
@@ -123,7 +123,7 @@ def layer_statistics(records: list[dict], layer_ids: list[int], top: int = 3) ->
             {
                 "layer": layer,
                 "max_abs": round(float(values[0]), 2),
-                "top_channels": [[int(c), round(float(v), 2)] for c, v in zip(channels, values)],
+                "top_channels": [[int(c), round(float(v), 2)] for c, v in zip(channels, values, strict=True)],
                 "median_rms": round(median_rms, 3),
                 "max_over_median_rms": round(float(values[0]) / median_rms, 1) if median_rms else math.inf,
             }

@@ -29,9 +29,10 @@ from peagle_ray.train.step import sequence_backward
 UNPARTITIONED = 10**9
 
 
-def _seconds(fn) -> float:
+def _seconds(fn, *args) -> float:
+    """Seconds of one call fn(*args)."""
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -49,10 +50,10 @@ def one_shape(n: int, k: int, steps: int, draft_vocab_size: int, generator: torc
     for _ in range(steps):
         elements = cod_sample(seq.supervised, seq.doc_ids, k, cod.cod_keep_ratio, cod.cod_min_ratio, generator)
         index = elements.anchor * k + elements.depth
-        rebuilt.append(_seconds(lambda: attention_mask(elements, elements, seq.doc_ids)))
-        gathered.append(_seconds(lambda: table["mask"][index[:, None], index[None, :]]))
+        rebuilt.append(_seconds(attention_mask, elements, elements, seq.doc_ids))
+        gathered.append(_seconds(table["mask"].__getitem__, (index[:, None], index[None, :])))
         drafter.zero_grad(set_to_none=True)
-        step.append(_seconds(lambda: sequence_backward(drafter, teacher, seq, elements, UNPARTITIONED, None)))
+        step.append(_seconds(sequence_backward, drafter, teacher, seq, elements, UNPARTITIONED, None))
     rebuilt_ms, step_s = 1000 * statistics.median(rebuilt), statistics.median(step)
     return {
         "max_positions": n,
@@ -76,6 +77,6 @@ def run(
     """One row per (N, K) pair of max_positions x depths, zipped (N = 1024 with K = 4, 2048 with 8)."""
     rows = [
         one_shape(n, k, steps, draft_vocab_size, torch.Generator().manual_seed(0))
-        for n, k in zip(max_positions, depths)
+        for n, k in zip(max_positions, depths, strict=True)
     ]
     return {"steps_per_row": steps, "draft_vocab_size": draft_vocab_size, "rows": rows}

@@ -204,7 +204,7 @@ def read_shard(item: dict) -> list[dict]:
     tensors = load_file(item["path"])
     return [
         {"sample_id": sample_id, "split": split, **{k: tensors[f"{i}.{k}"] for k in SHARD_TENSORS}}
-        for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"]))
+        for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"], strict=True))
     ]
 
 
@@ -216,7 +216,7 @@ def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iter
     entries = [
         (shard["file"], i, sample_id)
         for shard in read_manifest(out_dir)["shards"]
-        for i, (sample_id, s) in enumerate(zip(shard["sample_ids"], shard["splits"]))
+        for i, (sample_id, s) in enumerate(zip(shard["sample_ids"], shard["splits"], strict=True))
         if s == split
     ]
     mine = entries[rank::world][: len(entries) // world]

@@ -313,7 +313,7 @@ def _prepare_batch(batch, tokenizer, max_length, bad, regenerate) -> Iterator[To
             kept.append(c)
         except BadRow as err:
             bad.skip(err, c.sample_id)
-    for c, prompt, generated in zip(kept, prompts, regenerate(prompts) if prompts else []):
+    for c, prompt, generated in zip(kept, prompts, regenerate(prompts) if prompts else [], strict=True):
         try:
             if generated is None:
                 raise BadRow("generation_failed")

@@ -59,7 +59,7 @@ class Elements:
         return Elements(torch.cat([p.anchor for p in parts]), torch.cat([p.depth for p in parts]))
 
     def pairs(self) -> list[tuple[int, int]]:
-        return list(zip(self.anchor.tolist(), self.depth.tolist()))
+        return list(zip(self.anchor.tolist(), self.depth.tolist(), strict=True))
 
 
 def attention_mask(query: Elements, key: Elements, doc_ids: torch.Tensor) -> torch.Tensor:

@@ -291,11 +291,11 @@ class Drafter(nn.Module):
             else:
                 hidden = outputs[-1][slot_of_anchor[step.anchor]]
             mask = mask_fn(rows, slice(0, rows.stop))
-            out, kv = self._layers(hidden, self.embed_tokens(ids), step.position, lambda last: mask, past_kv, 0)
+            out, kv = self._layers(hidden, self.embed_tokens(ids), step.position, _every_layer(mask), past_kv, 0)
             past_kv = (
                 kv
                 if past_kv is None
-                else [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(past_kv, kv)]
+                else [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(past_kv, kv, strict=True)]
             )
             slot_of_anchor = torch.full((int(step.anchor.max()) + 1,), -1, dtype=torch.long, device=step.anchor.device)
             slot_of_anchor[step.anchor] = torch.arange(len(step), device=step.anchor.device)
@@ -322,7 +322,7 @@ class Drafter(nn.Module):
             ids, aux = torch.cat([tokens, mask_ids]), torch.cat([aux_hidden, mask_aux])
             mask = cache.mask(query)
             out, kv = self._layers(
-                self.project(aux), self.embed_tokens(ids), query.position, lambda last: mask, cache.kv, 0
+                self.project(aux), self.embed_tokens(ids), query.position, _every_layer(mask), cache.kv, 0
             )
             cache.append([(k[:m], v[:m]) for k, v in kv], m)
             draft = self.logits(out[m - 1 :]).argmax(-1)
@@ -342,9 +342,9 @@ class Drafter(nn.Module):
             keys = Elements.cat([cache.elements(), Elements(torch.full((d + 1,), anchor), torch.arange(1, d + 2))])
             mask = attention_mask_rows(step, keys)
             hidden, kv = self._layers(
-                hidden, self.embed_tokens(drafted[-1]), step.position, lambda last: mask, chain_kv, 0
+                hidden, self.embed_tokens(drafted[-1]), step.position, _every_layer(mask), chain_kv, 0
             )
-            chain_kv = [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(chain_kv, kv)]
+            chain_kv = [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(chain_kv, kv, strict=True)]
         return torch.cat(drafted)
 
 
@@ -373,5 +373,10 @@ class DraftCache:
         if self.kv is None:
             self.kv = kv
         else:
-            self.kv = [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(self.kv, kv)]
+            self.kv = [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(self.kv, kv, strict=True)]
         self.length += count
+
+
+def _every_layer(mask):
+    """The `mask(last_layer)` argument of Drafter._layers when every layer uses the same mask."""
+    return lambda last: mask

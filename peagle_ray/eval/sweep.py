@@ -141,7 +141,8 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
     rows, parts = {}, []
     for category, acceptance in run["acceptance"].items():
         t, b = run["timing"][category], baseline["timing"][category]
-        wrong = sum(x != y for x, y in zip(acceptance["tokens"], baseline["acceptance"][category]["tokens"]))
+        expected = baseline["acceptance"][category]["tokens"]
+        wrong = sum(x != y for x, y in zip(acceptance["tokens"], expected, strict=True))  # prompts that differ
         part = (
             SpecStats(**acceptance["counters"]),
             t["tokens"],
@@ -154,7 +155,7 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
         )
         rows[category] = _row(k, *part)
         parts.append(part)
-    rows["overall"] = _row(k, *(sum(column[1:], column[0]) for column in zip(*parts)))  # each field summed
+    rows["overall"] = _row(k, *(sum(column[1:], column[0]) for column in zip(*parts, strict=True)))  # each field summed
     return rows
 
 
@@ -162,7 +163,7 @@ def prompt_speedups(timed: list[list[float]], baseline: list[list[float]]) -> li
     """Per timed prompt, its tokens/s over the target alone's on the same prompt ([tokens, seconds] pairs).
 
     e.g. [[10, 1.0], [10, 2.0]] against [[10, 2.0], [10, 2.0]] -> [2.0, 1.0]."""
-    return [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(timed, baseline) if s and bn and bs]
+    return [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(timed, baseline, strict=True) if s and bn and bs]
 
 
 def standard_error(values: list[float]) -> float | None:
@@ -393,7 +394,7 @@ def log_results(
             ]
             for position, rate in enumerate(overall["acceptance_per_position"], start=1):  # one curve per K
                 metrics.append((f"{prefix}/acceptance_by_position_k{int(k)}", rate, position))
-                for column, value in zip(table, (sweep, int(k), position, rate)):
+                for column, value in zip(table, (sweep, int(k), position, rate), strict=True):
                     table[column].append(value)
         with results_run(uri, cfg, trained_in, f"eval-{algorithm}", work_dir) as run_id:
             log_metrics(uri, run_id, metrics)

@@ -126,7 +126,7 @@ def acceptance_plot(metrics: dict, path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(positions, rates, color="#3b7dd8")
     ax.set(xlabel="draft position", ylabel="accepted (%)", title=title, ylim=(0, 100), xticks=positions)
-    for x, y in zip(positions, rates):
+    for x, y in zip(positions, rates, strict=True):
         ax.text(x, y + 1, f"{y:.1f}", ha="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -17,6 +17,7 @@ context.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ def balanced_boundaries(elements: Elements, num_positions: int, segment_length: 
 def partition(elements: Elements, doc_ids: torch.Tensor, boundaries: list[int]) -> list[Segment]:
     """Split depth-major `elements` at position `boundaries` (0 = b_0 < b_1 < ... < b_S = N)."""
     n = doc_ids.shape[0]
-    if boundaries[0] != 0 or boundaries[-1] != n or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+    if boundaries[0] != 0 or boundaries[-1] != n or any(a >= b for a, b in itertools.pairwise(boundaries)):
         raise ValueError(f"boundaries must rise strictly from 0 to {n} (the number of positions); got {boundaries}")
     segment_of = torch.bucketize(owner_position(elements), torch.tensor(boundaries[1:-1]), right=True)
     # first position of each position's document: context starts there

@@ -39,16 +39,16 @@ class StepStats:
     def add(self, other: StepStats) -> None:
         k = max(len(self.depth_count), len(other.depth_count))
         pad = lambda xs: xs + [0] * (k - len(xs))  # noqa: E731
-        self.depth_kl = [a + b for a, b in zip(pad(self.depth_kl), pad(other.depth_kl))]
-        self.depth_correct = [a + b for a, b in zip(pad(self.depth_correct), pad(other.depth_correct))]
-        self.depth_count = [a + b for a, b in zip(pad(self.depth_count), pad(other.depth_count))]
+        self.depth_kl = [a + b for a, b in zip(pad(self.depth_kl), pad(other.depth_kl), strict=True)]
+        self.depth_correct = [a + b for a, b in zip(pad(self.depth_correct), pad(other.depth_correct), strict=True)]
+        self.depth_count = [a + b for a, b in zip(pad(self.depth_count), pad(other.depth_count), strict=True)]
         self.loss += other.loss
         self.elements += other.elements
         self.segments += other.segments
         self.positions += other.positions
 
     def accuracy(self) -> list[float]:
-        return [c / n if n else float("nan") for c, n in zip(self.depth_correct, self.depth_count)]
+        return [c / n if n else float("nan") for c, n in zip(self.depth_correct, self.depth_count, strict=True)]
 
 
 def trained_elements(elements: Elements, seq: TrainSequence) -> torch.Tensor:
@@ -156,9 +156,9 @@ def _accumulate(stats: StepStats, depth: torch.Tensor, kl: torch.Tensor, correct
     kl_sum = torch.bincount(depth, kl.double(), k).tolist()
     correct_sum = torch.bincount(depth, correct.long(), k).tolist()
     count = torch.bincount(depth, minlength=k).tolist()
-    stats.depth_kl = [a + b for a, b in zip(stats.depth_kl, kl_sum)]
-    stats.depth_correct = [a + int(b) for a, b in zip(stats.depth_correct, correct_sum)]
-    stats.depth_count = [a + b for a, b in zip(stats.depth_count, count)]
+    stats.depth_kl = [a + b for a, b in zip(stats.depth_kl, kl_sum, strict=True)]
+    stats.depth_correct = [a + int(b) for a, b in zip(stats.depth_correct, correct_sum, strict=True)]
+    stats.depth_count = [a + b for a, b in zip(stats.depth_count, count, strict=True)]
 
 
 def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator) -> Elements:

@@ -26,6 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
+from peagle_ray import layout
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
 
@@ -159,10 +160,10 @@ def run_adapt(cfg: PeagleConfig) -> dict:
         raise ConfigError("adapt starts from a registered drafter: tracking.registered_model must be set; got None")
     source = traffic_source(cfg)
     check_sources([source])
-    storage = Path(cfg.training.storage_path).resolve()
-    work = storage / "adapt" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"  # one per adaptation
+    storage = layout.storage(cfg)
+    work = layout.adapt_dir(storage, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")  # one each
     ensure_ray()
-    with tracking_uri(cfg, storage / "mlflow") as uri:
+    with tracking_uri(cfg, layout.mlflow_dir(storage)) as uri:
         parent = aliased_version(uri, name, cfg.adapt.alias)
         if parent is None:
             raise ConfigError(

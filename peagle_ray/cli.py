@@ -85,10 +85,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from peagle_ray.serve.app import default_drafter_dir, serve_forever
+    from peagle_ray.layout import drafter_dir
+    from peagle_ray.serve.app import serve_forever
 
     cfg = _config(args)
-    drafter = None if args.no_drafter else (args.drafter or default_drafter_dir(cfg))
+    drafter = None if args.no_drafter else (args.drafter or drafter_dir(cfg))
     if args.adapt_every is not None:
         from peagle_ray.adapt import serve_adapting
 

@@ -78,7 +78,8 @@ class DataConfig(_Section):
     "magpie:N" for N user prompts the target writes itself (needs data.regenerate)."""
 
     seed: int = 0
-    """Seed of data sampling: which ShareGPT conversations, and the Magpie prompt writer's sampling."""
+    """Seed of data generation: which ShareGPT conversations, the split, and each request to the target
+    (Magpie prompt writing and regeneration: data.seed + the request's number in the run)."""
 
     magpie_temperature: float = Field(default=0.8, gt=0.0)
     """Sampling temperature of Magpie prompt writing (greedy would write one prompt over and over)."""
@@ -98,6 +99,10 @@ class DataConfig(_Section):
 
     temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature for regenerated responses; 0 is greedy."""
+
+    regenerate_batch_size: int = Field(default=64, gt=0)
+    """Conversations whose answers are regenerated at once (the requests reach the target together and vLLM
+    batches them); the prepared rows of a batch are written when all of its answers are back."""
 
     max_new_tokens: int = Field(default=256, gt=0)
     """Most tokens generated per regenerated assistant turn."""
@@ -307,7 +312,11 @@ class TrainingConfig(_Section):
     is the workload's held-out requests, not the general data it replays); "" measures every source."""
 
     seed: int = 0
-    """Seed of every generator used in training (COD sampling, init, data order)."""
+    """Seed of every generator used in training (COD sampling, init, data order). Data generation
+    (regeneration, Magpie, sampling sources) is seeded by data.seed."""
+
+    checkpoints_to_keep: int = Field(default=2, ge=1)
+    """Checkpoints Ray Train keeps per run, the best by val/acceptance_length (the export reads the best)."""
 
     run_name: str = "peagle"
     """Ray Train run name; re-running the same name resumes from its last checkpoint."""

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from peagle_ray.config import PeagleConfig
+from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH
 
 RUN_NAME_TAG = "peagle.run_name"
 
@@ -236,7 +237,7 @@ class MetricLog:
 
 @contextmanager
 def metric_progress(
-    uri: str, run_id: str, total: int, desc: str, metric: str = "val/acceptance_length", every_s: float = 5.0
+    uri: str, run_id: str, total: int, desc: str, metric: str = VAL_ACCEPTANCE_LENGTH, every_s: float = 5.0
 ):
     """A progress bar of training steps fed from the run's metrics, polled every `every_s` seconds: steps done
     = the last step of `metric` + 1 (rank 0 writes its metrics at each checkpoint; the workers' output does not

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
+from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
 
 GOALS = {"acceptance_length": 2.0, "speedup": 1.5, "vs_unadapted": 1.3, "general_drop": 0.02}
 
@@ -95,7 +96,6 @@ def run(
 
 def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, steps, progress) -> dict:
     from peagle_ray.adapt import run_adapt
-    from peagle_ray.bench.learning import bench_dir
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.serve.app import free_port
     from peagle_ray.tracking import metric_times, register_export
@@ -127,7 +127,7 @@ def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, 
     minutes = (time.monotonic() - started) / 60
     curve = [
         {"step": step, "minutes": round(seconds / 60, 2), "acceptance_length": round(al, 4)}
-        for step, al, seconds in metric_times(uri, report["run_id"], "val/acceptance_length")
+        for step, al, seconds in metric_times(uri, report["run_id"], VAL_ACCEPTANCE_LENGTH)
     ]
     measured = measure(wcfg, report, base, train, heldout)
     return {
@@ -263,14 +263,13 @@ def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:
     the held-out rows (bench-adapt/<decoder>_<field>) and result.json; {workload: run id}."""
     import json
 
-    from peagle_ray.bench.learning import bench_dir
     from peagle_ray.tracking import log_rows, tracking_uri
 
     work = bench_dir(cfg, "adapt")
     work.mkdir(parents=True, exist_ok=True)
     (work / "result.json").write_text(json.dumps(result, indent=2))
     runs = {}
-    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+    with tracking_uri(cfg, mlflow_dir(cfg.training.storage_path)) as uri:
         for name, r in result["workloads"].items():
             flat = {"step": 0}
             for decoder, row in r["heldout"].items():

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_overrides, with_values
+from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
 
 VARIANTS = {
     "base": [],
@@ -125,7 +126,7 @@ def run(
 
         def general(drafter, teacher, steps: int, vcfg=vcfg, seed=seed) -> dict:
             val = validate(drafter, teacher, general_val, vcfg, torch.Generator().manual_seed(seed))
-            return {"general_al": round(val["val/acceptance_length"], 4)}
+            return {"general_al": round(val[VAL_ACCEPTANCE_LENGTH], 4)}
 
         progress(f"[adapt-ablation] {name}: {len(train)} training records, {overrides or 'the config alone'}")
         rows = train_and_measure(vcfg, train, traffic_val, budgets, general, progress)
@@ -146,20 +147,19 @@ def parent_row(cfg: PeagleConfig, heldout: list[dict], general: list[dict]) -> d
     al = {}
     for name, records in (("heldout_al", heldout), ("general_al", general)):
         val = validate(drafter, teacher, records, cfg, torch.Generator().manual_seed(seed))
-        al[name] = round(val["val/acceptance_length"], 4)
+        al[name] = round(val[VAL_ACCEPTANCE_LENGTH], 4)
     return al
 
 
 def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:
     """A run `adapt-ablation-<variant>` per variant (step = training steps) with result.json; {variant: run id}."""
-    from peagle_ray.bench.learning import bench_dir
     from peagle_ray.tracking import log_rows, tracking_uri
 
     work = bench_dir(cfg, "adapt-ablation")
     work.mkdir(parents=True, exist_ok=True)
     (work / "result.json").write_text(json.dumps(result, indent=2))
     runs = {}
-    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+    with tracking_uri(cfg, mlflow_dir(cfg.training.storage_path)) as uri:
         for name, variant in result["variants"].items():
             rows = [{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in variant["rows"]]
             runs[name] = log_rows(

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from peagle_ray.config import PeagleConfig, with_values
+from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, acceptance_metric
 
 FEATURES = ("captured", "zeroed", "shuffled")
 
@@ -161,8 +162,8 @@ def run(
         )
         result["features"][how] = {
             "acc_by_depth": [round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(depths)],
-            "acceptance_per_position": [round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(k)],
-            "acceptance_length": round(val["val/acceptance_length"], 4),
+            "acceptance_per_position": [round(val[acceptance_metric(i + 1)], 4) for i in range(k)],
+            "acceptance_length": round(val[VAL_ACCEPTANCE_LENGTH], 4),
         }
         progress(f"[features] {how}: {result['features'][how]}")
     result["counts"] = {"acc_by_depth": count_baseline(teacher, train, validation, depths)}

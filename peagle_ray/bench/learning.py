@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from peagle_ray.config import PeagleConfig, with_overrides, with_values
+from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, acceptance_metric, bench_dir, mlflow_dir
 
 Progress = Callable[[str], None]
 
@@ -77,10 +78,8 @@ def validation_row(cfg: PeagleConfig, drafter, teacher, validation: list[dict]) 
 
     val = validate(drafter, teacher, validation, cfg, torch.Generator().manual_seed(cfg.training.seed))
     return {
-        "val_acceptance_length": round(val["val/acceptance_length"], 4),
-        "val_acceptance_per_position": [
-            round(val[f"val/acceptance_pos_{i + 1}"], 4) for i in range(cfg.drafter.num_depths)
-        ],
+        "val_acceptance_length": round(val[VAL_ACCEPTANCE_LENGTH], 4),
+        "val_acceptance_per_position": [round(val[acceptance_metric(i + 1)], 4) for i in range(cfg.drafter.num_depths)],
         "val_acc_by_depth": [
             round(val.get(f"val/acc_depth_{d}", math.nan), 4) for d in range(cfg.drafter.trained_depths)
         ],
@@ -248,10 +247,6 @@ def plot_curve(result: dict, path: Path) -> Path:
     return path
 
 
-def bench_dir(cfg: PeagleConfig, kind: str) -> Path:
-    return Path(cfg.training.storage_path) / "bench" / kind
-
-
 def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path | None = None) -> dict[str, str]:
     """An ablation's variants (run `ablation-<name>`, step = steps) or a learning curve's algorithms (run
     `curve-<algorithm>`, step = training tokens, with the plot and the JSON) into MLflow, the JSON in work_dir
@@ -262,7 +257,7 @@ def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path | None = None)
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "result.json").write_text(json.dumps(result, indent=2))
     runs = {}
-    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+    with tracking_uri(cfg, mlflow_dir(cfg.training.storage_path)) as uri:
         if "variants" in result:
             for name, row in result["variants"].items():
                 runs[name] = log_rows(

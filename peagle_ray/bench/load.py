@@ -91,10 +91,11 @@ def run(
     if started_here:
         from peagle_ray.cluster import ensure_ray
         from peagle_ray.export.speculators import read_drafter
-        from peagle_ray.serve.app import default_drafter_dir, start_endpoint
+        from peagle_ray.layout import drafter_dir as default_drafter
+        from peagle_ray.serve.app import start_endpoint
 
         ensure_ray()
-        drafter = Path(drafter_dir) if drafter_dir else default_drafter_dir(cfg)
+        drafter = Path(drafter_dir) if drafter_dir else default_drafter(cfg)
         url = start_endpoint(cfg, target, read_drafter(drafter) if (drafter / "config.json").is_file() else None)
     try:
         result = asyncio.run(

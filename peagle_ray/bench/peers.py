@@ -36,13 +36,13 @@ import torch
 
 from peagle_ray.bench.learning import (
     Progress,
-    bench_dir,
     initial_drafter,
     split_records,
     train_and_measure,
     validation_row,
 )
 from peagle_ray.config import PeagleConfig, with_values
+from peagle_ray.layout import bench_dir, mlflow_dir
 
 PEER_INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0"
 SUITES = ("mt-bench", "humaneval", "validation")
@@ -326,7 +326,7 @@ def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:
             flat.update({f"{suite}_{decoder}_{k}": v for k, v in row.items() if isinstance(v, (int, float, list))})
     for name, row in result["training"].items():
         flat.update({f"train_{name}_{k}": v for k, v in row.items() if isinstance(v, (int, float, list))})
-    with tracking_uri(cfg, Path(cfg.training.storage_path) / "mlflow") as uri:
+    with tracking_uri(cfg, mlflow_dir(cfg.training.storage_path)) as uri:
         return {
             "bench-peers": log_rows(
                 uri, cfg, "bench-peers", [flat], "step", "bench-peers", [work / "result.json"], work

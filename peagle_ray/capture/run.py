@@ -52,11 +52,14 @@ def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
 def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[list[int]]]:
     """Send a batch of prompts to the target at once (vLLM batches them); return the generated ids."""
 
+    asked = [0]  # requests sent so far: each has its own seed, data.seed + its number
+
     def regenerate(prompts: list[list[int]]) -> list[list[int] | None]:
         room = cfg.target.max_model_len  # prompt + answer must fit the engine's context
+        first, asked[0] = asked[0], asked[0] + len(prompts)
         responses = [
             handle.generate.remote(
-                p, min(cfg.data.max_new_tokens, room - len(p)), cfg.data.temperature, cfg.training.seed + i
+                p, min(cfg.data.max_new_tokens, room - len(p)), cfg.data.temperature, cfg.data.seed + first + i
             )
             for i, p in enumerate(prompts)
         ]
@@ -115,7 +118,7 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
         cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer, cfg.data.max_row_bytes
     )
     samples = prepare_samples(
-        conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.capture.batch_size * 4
+        conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.data.regenerate_batch_size
     )
     with tqdm(desc="prepare", unit="sample") as bar:
         summary = write_prepared(samples, Path(cfg.data.output_dir), read_target_info(target).vocab_size, bad, bar)

@@ -28,20 +28,12 @@ from tqdm import tqdm
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.export.speculators import Recommendation, read_drafter, speculative_config
+from peagle_ray.layout import ALGORITHMS, eval_dir, eval_name, export_dir, mlflow_dir, run_name_for
 from peagle_ray.spec_counters import SpecStats
-
-ALGORITHMS = ("eagle3", "peagle")
-
-
-def run_name_for(cfg: PeagleConfig, algorithm: str) -> str:
-    """training.run_name for drafter.algorithm; the other algorithm's run (the demo's baseline) adds a suffix."""
-    return cfg.training.run_name if algorithm == cfg.drafter.algorithm else f"{cfg.training.run_name}-{algorithm}"
 
 
 def default_drafters(cfg: PeagleConfig) -> dict[str, Path]:
     """The exports of this config's training runs that exist: {algorithm: <storage>/<run name>/export}."""
-    from peagle_ray.export.speculators import export_dir
-
     found = {a: export_dir(cfg.training.storage_path, run_name_for(cfg, a)) for a in ALGORITHMS}
     return {a: d for a, d in found.items() if (d / "config.json").is_file()}
 
@@ -347,10 +339,10 @@ def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] |
 
     results = run_eval(cfg, resolve_target_path(cfg), drafters, k_values)
     storage = Path(cfg.training.storage_path)
-    work_dir = storage / eval_name(results["suite"])
+    work_dir = eval_dir(storage, results["suite"])
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
-    with tracking_uri(cfg, storage / "mlflow") as uri:
+    with tracking_uri(cfg, mlflow_dir(storage)) as uri:
         runs = log_results(uri, cfg, results, drafters, work_dir)
     return {
         "results": results,
@@ -405,12 +397,6 @@ def log_results(
             log_files(uri, run_id, [*plots, work_dir / "eval.json"], artifact_path=prefix)
         runs[algorithm] = run_id
     return runs
-
-
-def eval_name(suite: str) -> str:
-    """The MLflow metric prefix and the directory name of a suite's results: eval (the validation split),
-    eval-mt-bench, eval-humaneval. One suite's sweep never overwrites another's."""
-    return "eval" if suite == "validation" else f"eval-{suite}"
 
 
 def plot_tokens_per_s(results: dict, path: Path) -> Path:

@@ -30,11 +30,6 @@ from peagle_ray.drafter.model import Drafter
 PROVENANCE = "provenance.json"
 
 
-def export_dir(storage_path: str | Path, run_name: str) -> Path:
-    """Where the training job exports a run's best drafter: <training.storage_path>/<run name>/export."""
-    return Path(storage_path) / run_name / "export"
-
-
 def drafter_state(drafter: Drafter) -> dict[str, torch.Tensor]:
     """Weights under their speculators names; d2t/t2d only for a reduced draft vocabulary; feature_scale
     folded into fc.weight."""

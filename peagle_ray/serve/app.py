@@ -30,7 +30,8 @@ from ray import serve
 from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import cli_args, engine_args, target_engine_env, use_local_cores
-from peagle_ray.export.speculators import DrafterInfo, export_dir, read_drafter, speculative_config
+from peagle_ray.export.speculators import DrafterInfo, read_drafter, speculative_config
+from peagle_ray.layout import drafter_dir
 from peagle_ray.serve.limits import Limits, admit
 from peagle_ray.serve.record import CURRENT_REQUEST
 
@@ -354,11 +355,6 @@ def stop_endpoint() -> None:
         pass
 
 
-def default_drafter_dir(cfg: PeagleConfig) -> Path:
-    """Where the training job exports its best drafter for this config's run."""
-    return export_dir(cfg.training.storage_path, cfg.training.run_name)
-
-
 def app_builder(args: dict):
     """`serve run peagle_ray.serve.app:app_builder config=FILE [drafter=DIR] [k=K]` and deploy/serve.yaml.
 
@@ -370,7 +366,7 @@ def app_builder(args: dict):
     from peagle_ray.target import resolve_target_path
 
     cfg = load_config(args.get("config"), list(args.get("set") or []))
-    drafter = args.get("drafter") or default_drafter_dir(cfg)
+    drafter = args.get("drafter") or drafter_dir(cfg)
     return endpoint_app(
         cfg,
         resolve_target_path(cfg),

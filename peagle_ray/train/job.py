@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from peagle_ray import layout
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.train.checkpoint import CHECKPOINT_WEIGHTS, load_drafter_from_checkpoint
 from peagle_ray.train.worker import train_worker
@@ -111,7 +112,7 @@ def check_shared_paths(cfg: PeagleConfig, storage: Path) -> None:
 
 def _score(metrics: dict) -> float:
     """A checkpoint's validation AL; a missing or NaN one never wins."""
-    value = metrics.get("val/acceptance_length", float("nan"))
+    value = metrics.get(layout.VAL_ACCEPTANCE_LENGTH, float("nan"))
     return -math.inf if math.isnan(value) else value
 
 
@@ -121,8 +122,9 @@ def acceptance_plot(metrics: dict, path: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    positions = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("val/acceptance_pos_"))
-    rates = [100 * metrics[f"val/acceptance_pos_{i}"] for i in positions]
+    prefix = layout.VAL_ACCEPTANCE_POS
+    positions = sorted(int(k.removeprefix(prefix)) for k in metrics if k.startswith(prefix))
+    rates = [100 * metrics[layout.acceptance_metric(i)] for i in positions]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(positions, rates, color="#3b7dd8")
     ax.set(xlabel="draft position", ylabel="accepted (%)", title=title, ylim=(0, 100), xticks=positions)
@@ -156,7 +158,9 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
             storage_path=plan["storage_path"],
             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
             checkpoint_config=CheckpointConfig(
-                num_to_keep=2, checkpoint_score_attribute="val/acceptance_length", checkpoint_score_order="max"
+                num_to_keep=cfg.training.checkpoints_to_keep,
+                checkpoint_score_attribute=layout.VAL_ACCEPTANCE_LENGTH,
+                checkpoint_score_order="max",
             ),
         ),
         datasets={"train": train_ds, "validation": val_ds} if train_ds is not None else None,
@@ -177,15 +181,14 @@ def run_training(cfg: PeagleConfig) -> dict:
     """Train, export the best checkpoint, log everything to MLflow; returns a summary."""
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.data.prepare import SPLITS, prepared_file, read_summary
-    from peagle_ray.export.speculators import export_dir as run_export_dir
     from peagle_ray.tracking import find_or_create_run, log_training_data, metric_progress, run_status, tracking_uri
 
     inputs = check_inputs(cfg)
-    storage = Path(cfg.training.storage_path).resolve()
+    storage = layout.storage(cfg)
     ensure_ray()
     check_shared_paths(cfg, storage)
-    with tracking_uri(cfg, storage / "mlflow") as uri:
-        run_id, created = find_or_create_run(uri, cfg, storage / "mlflow")
+    with tracking_uri(cfg, layout.mlflow_dir(storage)) as uri:
+        run_id, created = find_or_create_run(uri, cfg, layout.mlflow_dir(storage))
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
         with run_status(uri, run_id):
             data_dir = Path(cfg.data.output_dir)
@@ -197,9 +200,11 @@ def run_training(cfg: PeagleConfig) -> dict:
             if result.error is not None:
                 raise result.error
             best, best_metrics = max(result.best_checkpoints, key=lambda cm: _score(cm[1]))
-            export = run_export_dir(storage, cfg.training.run_name)
+            export = layout.export_dir(storage, cfg.training.run_name)
             _export_best(best, export, cfg, inputs, {"run_id": run_id, "best_step": best_metrics.get("step")})
-            version = _log_artifacts(uri, run_id, cfg, storage / cfg.training.run_name, export, best_metrics)
+            version = _log_artifacts(
+                uri, run_id, cfg, layout.run_dir(storage, cfg.training.run_name), export, best_metrics
+            )
     summary = {
         "run_id": run_id,
         "tracking_uri": uri,
@@ -209,8 +214,8 @@ def run_training(cfg: PeagleConfig) -> dict:
         "checkpoint": best.path,
         "registered_version": version,
     }
-    (storage / cfg.training.run_name / "summary.json").write_text(json.dumps(summary, indent=2))
-    al = best_metrics.get("val/acceptance_length", float("nan"))
+    layout.run_summary(storage, cfg.training.run_name).write_text(json.dumps(summary, indent=2))
+    al = best_metrics.get(layout.VAL_ACCEPTANCE_LENGTH, float("nan"))
     print(f"[train] best step {summary['best_step']}: AL {al:.3f}; exported to {export}")
     return summary
 
@@ -225,7 +230,7 @@ def worker_plan(cfg: PeagleConfig, inputs: dict, uri: str, run_id: str, storage:
         "tracking_uri": uri,
         "run_id": run_id,
         "storage_path": cfg.training.checkpoint_uri or str(storage),
-        "crash_marker": str(storage / f"{cfg.training.run_name}.crashed"),
+        "crash_marker": str(layout.crash_marker(storage, cfg.training.run_name)),
         "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
         "feature_scale": inputs.get("feature_scale"),
     }

@@ -18,6 +18,10 @@ import torch
 
 from peagle_ray.drafter.teacher import Teacher
 
+LOSS_CHUNK = 1024
+"""Elements whose draft logits (chunk x DV) are in memory at once: bounds the loss's peak memory (64 MB of
+float32 at DV 16384), not its value; larger chunks make fewer, larger GEMMs."""
+
 
 class _ChunkedKL(torch.autograd.Function):
     """Per chunk, with z = x W^T the draft logits, q = softmax(z), p the target's distribution:
@@ -87,7 +91,7 @@ def kl_loss(
     teacher_index: torch.Tensor,
     teacher: Teacher,
     element_weights: torch.Tensor,
-    chunk: int = 1024,
+    chunk: int = LOSS_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted sum of per-element KL(target || draft), the per-element KL (detached) and argmax agreement.
 

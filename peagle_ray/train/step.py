@@ -19,7 +19,7 @@ from peagle_ray.drafter.elements import Elements, attention_mask, flex_mask_mod
 from peagle_ray.drafter.model import Drafter
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.train.elements import TrainSequence, cod_sample
-from peagle_ray.train.loss import kl_loss
+from peagle_ray.train.loss import LOSS_CHUNK, kl_loss
 from peagle_ray.train.partition import balanced_boundaries, partition
 
 
@@ -94,7 +94,7 @@ def sequence_backward(
     segment_length: int,
     depth_weights: list[float] | None,
     scale: float = 1.0,
-    loss_chunk: int = 1024,
+    loss_chunk: int = LOSS_CHUNK,
     boundaries: list[int] | None = None,
     backward: bool = True,
     bf16: bool = False,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from peagle_ray import layout
 from peagle_ray.config import PeagleConfig
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.drafter.replay import Acceptance, replay_greedy
@@ -191,9 +192,9 @@ def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator
         start = int(loss_mask.nonzero()[0]) if loss_mask.any() else len(ids)  # replay the assistant's answer
         replay_greedy(replayer, ids, torch.as_tensor(record["aux_hidden"]).float(), start, k_draft, acceptance)
     drafter.train()
-    metrics = {"val/loss": stats.loss, "val/acceptance_length": acceptance.acceptance_length}
+    metrics = {layout.VAL_LOSS: stats.loss, layout.VAL_ACCEPTANCE_LENGTH: acceptance.acceptance_length}
     metrics.update({f"val/acc_depth_{d}": a for d, a in enumerate(stats.accuracy()) if not math.isnan(a)})
-    metrics.update({f"val/acceptance_pos_{i + 1}": r for i, r in enumerate(acceptance.rates())})
+    metrics.update({layout.acceptance_metric(i + 1): r for i, r in enumerate(acceptance.rates())})
     return metrics
 
 
@@ -306,8 +307,8 @@ def validate_and_checkpoint(r: Rank, step: int, metrics: dict, validation: list[
     val = validate(r.drafter, r.teacher, validation, r.cfg, torch.Generator().manual_seed(seed)) if r.rank == 0 else {}
     val = broadcast_from_rank0(val, r.world)
     log(step, val)
-    if val["val/acceptance_length"] > r.state["best_al"]:
-        r.state.update(best_al=val["val/acceptance_length"], best_step=step)
+    if val[layout.VAL_ACCEPTANCE_LENGTH] > r.state["best_al"]:
+        r.state.update(best_al=val[layout.VAL_ACCEPTANCE_LENGTH], best_step=step)
     log.flush()
     r.state["step"] = step + 1
     with tempfile.TemporaryDirectory() as tmp:

@@ -568,26 +568,24 @@ def _add_args(parser: argparse.ArgumentParser, args, defaults: dict | None = Non
         parser.add_argument(*flags, **options)
 
 
-def signature_defaults(module: str, function: str) -> dict:
-    """{parameter: default} of a function, read from its source without importing it (benchmark modules pull
-    in torch, and `--help` should answer at once): the one home of a benchmark's sizes is its signature."""
-    import ast
-    import importlib.util
+def bench_defaults(kind: str) -> dict:
+    """{parameter: default} of a benchmark's function, the one home of its sizes. Importing the module pulls in
+    torch, so only `bench KIND` (which runs that module anyway) asks; other commands' --help answer at once."""
+    import importlib
+    import inspect
 
-    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
-    params = node.args.args[len(node.args.args) - len(node.args.defaults) :]
-    out = {}
-    for param, default in zip(params, node.args.defaults, strict=True):
-        try:
-            out[param.arg] = ast.literal_eval(default)
-        except ValueError:
-            pass  # not a literal (e.g. print): nothing to show
-    return out
+    bench = BENCHES[kind]
+    function = getattr(importlib.import_module(f"peagle_ray.bench.{bench.module}"), bench.function)
+    shown = (int, float, str, tuple, list, type(None))  # values a user could type; not callables
+    return {
+        name: p.default
+        for name, p in inspect.signature(function).parameters.items()
+        if p.default is not inspect.Parameter.empty and isinstance(p.default, shown)
+    }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser, built from COMMANDS and BENCHES."""
+def build_parser(bench_kind: str | None = None) -> argparse.ArgumentParser:
+    """The parser, built from COMMANDS and BENCHES; the options of benchmark `bench_kind` show its defaults."""
     parser = argparse.ArgumentParser(
         prog="peagle-ray",
         description="Train and serve P-EAGLE parallel-drafting speculators with Ray, vLLM and MLflow.",
@@ -616,15 +614,16 @@ def build_parser() -> argparse.ArgumentParser:
             description=f"{bench.help} Unset options take the "
             f"benchmark's defaults (peagle_ray.bench.{bench.module}.{bench.function}).",
         )
-        defaults = signature_defaults(f"peagle_ray.bench.{bench.module}", bench.function)
-        _add_args(sub, bench.args, defaults)
+        _add_args(sub, bench.args, bench_defaults(kind) if kind == bench_kind else None)
         _add_args(sub, (JSON_ARG,) + (CONFIG_ARGS if "cfg" in bench.needs else ()))
         sub.set_defaults(func=_cmd_bench, overrides=[], config=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    kind = argv[1] if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES else None
+    args = build_parser(kind).parse_args(argv)
     previous = stopping.install()  # SIGTERM / SIGHUP: the same cleanup as Ctrl-C
     ray_was_running = _ray_running()
     try:

@@ -210,41 +210,10 @@ def learning_curve(
         run_cfg = with_values(cfg, {"drafter.algorithm": algorithm, "training.max_steps": max(budgets)})
         measure = suite_measure(run_cfg, work_dir / "exports") if cfg.eval.suite != "validation" else None
         result["curves"][algorithm] = train_and_measure(run_cfg, train, validation, budgets, measure, progress)
+    from peagle_ray.plots import plot_curve
+
     result["plot"] = str(plot_curve(result, work_dir / "learning_curve.png"))
     return result
-
-
-def plot_curve(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for algorithm, rows in result["curves"].items():
-        tokens = [r["train_tokens"] for r in rows]
-        line = ax.plot(tokens, [r["val_acceptance_length"] for r in rows], marker="o", label=f"{algorithm} validation")
-        if rows and "suite_acceptance_length" in rows[0]:
-            ax.plot(
-                tokens,
-                [r["suite_acceptance_length"] for r in rows],
-                marker="s",
-                linestyle="--",
-                color=line[0].get_color(),
-                label=f"{algorithm} {result['suite']}",
-            )
-    ax.set(
-        xscale="log",
-        xlabel="training tokens (base positions)",
-        ylabel="acceptance length (AL)",
-        title="Drafter learning curve",
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def log_to_mlflow(cfg: PeagleConfig, result: dict, work_dir: Path | None = None) -> dict[str, str]:

@@ -363,6 +363,7 @@ def log_results(
     of its own in the UI), so a MT-Bench sweep does not draw over the validation curves. Returns
     {algorithm: run_id}. A tag, not a param: params are immutable, and a later sweep may recommend another K."""
     from peagle_ray.export.speculators import PROVENANCE
+    from peagle_ray.plots import plot_acceptance, plot_tokens_per_s
     from peagle_ray.tracking import log_files, log_metrics, log_table, results_run, set_tag
 
     plots = [
@@ -397,51 +398,3 @@ def log_results(
             log_files(uri, run_id, [*plots, work_dir / "eval.json"], artifact_path=prefix)
         runs[algorithm] = run_id
     return runs
-
-
-def plot_tokens_per_s(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for algorithm in ALGORITHMS:
-        if algorithm in results:
-            ks = sorted(results[algorithm]["by_k"], key=int)
-            ax.plot(
-                ks, [results[algorithm]["by_k"][k]["overall"]["tokens_per_s"] for k in ks], marker="o", label=algorithm
-            )
-    base = results.get("target_only", {}).get("overall", {}).get("tokens_per_s")
-    if base:
-        ax.axhline(base, color="gray", linestyle="--", label="target only")
-    ax.set(xlabel="K (speculative tokens)", ylabel="tokens/s (batch 1)", title="Decode speed vs K")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_acceptance(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for offset, algorithm in ((-0.2, "eagle3"), (0.2, "peagle")):
-        if algorithm in results:
-            rates = results[algorithm]["best"]["overall"]["acceptance_per_position"]
-            ax.bar(
-                [i + 1 + offset for i in range(len(rates))],
-                [100 * r for r in rates],
-                width=0.4,
-                label=f"{algorithm} (K={results[algorithm].get('best_k', results[algorithm]['recommended_k'])})",
-            )
-    ax.set(xlabel="draft position", ylabel="accepted (%)", title="Acceptance per position", ylim=(0, 100))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

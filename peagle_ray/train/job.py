@@ -116,26 +116,6 @@ def _score(metrics: dict) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def acceptance_plot(metrics: dict, path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    prefix = layout.VAL_ACCEPTANCE_POS
-    positions = sorted(int(k.removeprefix(prefix)) for k in metrics if k.startswith(prefix))
-    rates = [100 * metrics[layout.acceptance_metric(i)] for i in positions]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(positions, rates, color="#3b7dd8")
-    ax.set(xlabel="draft position", ylabel="accepted (%)", title=title, ylim=(0, 100), xticks=positions)
-    for x, y in zip(positions, rates, strict=True):
-        ax.text(x, y + 1, f"{y:.1f}", ha="center", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
     """Run the TorchTrainer; online capture passes its Ray Datasets, offline workers read the shards."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
@@ -286,6 +266,8 @@ def _log_artifacts(
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     (run_dir / "provenance.json").write_text(json.dumps(provenance(), indent=2))
+    from peagle_ray.plots import acceptance_plot
+
     plot = acceptance_plot(metrics, run_dir / "acceptance.png", f"{cfg.drafter.algorithm}: validation acceptance")
     log_files(uri, run_id, [run_dir / "config.yaml", run_dir / "provenance.json", plot], dirs={"drafter": export_dir})
     if not cfg.tracking.registered_model:

@@ -3,11 +3,15 @@
 Tiers (markers, registered in pyproject.toml): `ray` (a local Ray cluster: any test using `ray_local` gets it),
 `vllm` (starts a vLLM engine), `slow` (over a few seconds without either), `gpu` (needs CUDA; skipped without
 it). Every test with none of these is `unit`: `pytest -m unit` runs them all in well under a minute, and
-`make test` (CI) runs every tier.
+`make test` (CI) runs every tier. The unit tier is enforced, not trusted: a unit test that starts a subprocess
+or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs (`_unit_tier_guard`).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,48 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these)"))
+
+
+class TierError(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_guard(request, monkeypatch):
+    """Unit tests stay unit: starting a subprocess other than git (the `slow` tier), a Ray cluster (`ray`) or
+    importing vLLM's offline engine (`vllm`) fails the test with the marker to add, instead of slowing
+    `make unit` unnoticed."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+
+    def refuse(what: str, marker: str):
+        def call(*args, **kwargs):
+            raise TierError(f"a unit test {what}: mark it @pytest.mark.{marker} (tests/conftest.py)")
+
+        return call
+
+    popen, refused = subprocess.Popen.__init__, refuse("started a subprocess", "slow")
+
+    def start(self, cmd, *args, **kwargs):  # git (provenance's commit, milliseconds) is allowed, and so are
+        # background threads left by earlier tests of other tiers (the test itself runs in the main thread)
+        first = cmd if isinstance(cmd, str) else cmd[0]
+        allowed = Path(str(first).split()[0]).name == "git" or threading.current_thread() is not threading.main_thread()
+        return (popen if allowed else refused)(self, cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", start)
+    ray = sys.modules.get("ray")
+    if ray is not None:  # imported by the code under test: any cluster start goes through ray.init
+        monkeypatch.setattr(ray, "init", refuse("started a Ray cluster", "ray"))
+    ray_before = ray is not None and ray.is_initialized()  # a session cluster of an earlier ray-tier test
+    engine_before = "vllm.entrypoints.llm" in sys.modules
+    yield
+    ray = sys.modules.get("ray")
+    if not ray_before and ray is not None and ray.is_initialized():  # imported and started inside the test
+        ray.shutdown()
+        raise TierError("a unit test started a Ray cluster: mark it @pytest.mark.ray (tests/conftest.py)")
+    if not engine_before and "vllm.entrypoints.llm" in sys.modules:
+        raise TierError("a unit test imported vLLM's offline engine: mark it @pytest.mark.vllm (tests/conftest.py)")
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # the console script in a subprocess
 def test_help_lists_every_subcommand():
     result = run_cli("--help")
     assert result.returncode == 0
@@ -110,6 +111,7 @@ def test_every_benchmark_option_is_a_parameter_of_its_function_and_help_shows_it
                 assert f"default: {default}" in shown, (kind, dest, default)
 
 
+@pytest.mark.slow  # a fresh interpreter importing Ray Data
 def test_ray_data_info_lines_stay_off_the_console():
     """Ray Data logs progress at INFO every 10 s when stdout is not a terminal; importing peagle_ray first
     points RAY_DATA_LOGGING_CONFIG at ours: warnings still reach the console, INFO lines only the log file."""

@@ -7,7 +7,7 @@ export VENV
 setup:
 	@bash scripts/setup.sh
 
-# Everything CI runs: the formatter check, ruff's lint rules, the import-layering contracts (pyproject.toml), every test tier.
+# Everything CI runs: the formatter check, ruff's lint rules, the type checker, the import-layering contracts (pyproject.toml), every test tier.
 test: setup lint
 	$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS)
 
@@ -18,6 +18,7 @@ unit: setup
 lint: setup
 	$(VENV)/bin/ruff format --check --quiet peagle_ray tests jobs scripts
 	$(VENV)/bin/ruff check --quiet peagle_ray tests jobs scripts
+	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
 format: setup

@@ -31,6 +31,13 @@ from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
 
 
+def registered_name(cfg: PeagleConfig) -> str:
+    """tracking.registered_model, which adaptation needs (it starts from a registered version)."""
+    if not cfg.tracking.registered_model:
+        raise ConfigError("adapt starts from a registered drafter: tracking.registered_model must be set; got None")
+    return cfg.tracking.registered_model
+
+
 def traffic_source(cfg: PeagleConfig) -> str:
     """traffic:DIR for adapt.traffic_dir, else serving.record_dir; refused when neither is set."""
     directory = cfg.adapt.traffic_dir or cfg.serving.record_dir
@@ -113,8 +120,8 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
 
     target = resolve_target_path(cfg)
     heldout = eval_prompts(with_values(acfg, {"eval.suite": "validation", "eval.prompts_per_category": 10**6}), target)
-    general = eval_prompts(with_values(cfg, {"eval.suite": cfg.adapt.general_suite}), target)
-    prompts = {TRAFFIC: heldout.get(TRAFFIC, []), **{f"general/{c}": p for c, p in general.items()}}
+    suite = eval_prompts(with_values(cfg, {"eval.suite": cfg.adapt.general_suite}), target)
+    prompts = {TRAFFIC: heldout.get(TRAFFIC, []), **{f"general/{c}": p for c, p in suite.items()}}
     print(f"[adapt] judging on {len(prompts[TRAFFIC])} held-out requests and {cfg.adapt.general_suite}: target alone")
     baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
     out = {}
@@ -155,9 +162,7 @@ def run_adapt(cfg: PeagleConfig) -> dict:
     from peagle_ray.tracking import aliased_version, download_version, tracking_uri
     from peagle_ray.train.job import run_training
 
-    name = cfg.tracking.registered_model
-    if not name:
-        raise ConfigError("adapt starts from a registered drafter: tracking.registered_model must be set; got None")
+    name = registered_name(cfg)
     source = traffic_source(cfg)
     check_sources([source])
     storage = layout.storage(cfg)
@@ -226,7 +231,7 @@ def _record(uri: str, cfg: PeagleConfig, report: dict) -> None:
     log_metrics(uri, report["run_id"], [(key, value, 0) for key, value in rows.items()])
     if report["version"] is not None:
         tags = {"parent_version": report["parent_version"], "promoted": report["promote"], "why": report["why"]}
-        set_version_tags(uri, cfg.tracking.registered_model, report["version"], {**tags, **rows})
+        set_version_tags(uri, registered_name(cfg), report["version"], {**tags, **rows})
 
 
 def _promote(uri: str, cfg: PeagleConfig, report: dict, previous: tuple[Path, str]) -> bool:
@@ -236,7 +241,7 @@ def _promote(uri: str, cfg: PeagleConfig, report: dict, previous: tuple[Path, st
 
     if not report["promote"] or report["version"] is None:
         return False
-    name = cfg.tracking.registered_model
+    name = registered_name(cfg)
     set_alias(uri, name, cfg.adapt.alias, report["version"])
     if not (cfg.adapt.swap and endpoint_running()):
         return False

@@ -125,7 +125,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = _config(args) if {"cfg", "drafters"} & set(bench.needs) else None  # the YAML read once
     context = {
         "cfg": lambda: cfg,
-        "drafters": lambda: _drafters(cfg, args, "benchmark"),
+        "drafters": lambda: _drafters(cfg, args, "benchmark") if cfg else {},
         "progress": lambda: lambda line: print(line, file=sys.stderr),
     }
     needs = {name: context[name]() for name in bench.needs}

@@ -71,6 +71,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     from peagle_ray.cluster import ensure_ray, joined_cluster
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import drafting_line, endpoint_banner, stop_endpoint
+    from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 
     stages = Stages()
@@ -102,9 +103,9 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
             result.write_text(json.dumps({"minutes": stages.minutes(), "table": table, "adapt": report}, indent=2))
             print(
                 f"\n{table}\n\n{stages.table()}\n\nresults: {result} and {report['json']}\nMLflow UI: {uri}\n"
-                f"{endpoint_banner(url, cfg).replace('MODEL', Path(cfg.target.path).name)}\n"
+                f"{endpoint_banner(url, cfg).replace('MODEL', resolve_target_path(cfg).name)}\n"
                 f"{drafting_line(read_drafter(served))} (recording to {record_dir})\n"
-                f"[demo] done in {(stages.ended - stages.started) / 60:.1f} min",
+                f"[demo] done in {sum(stages.minutes().values()):.1f} min",
                 flush=True,
             )
             out.update(endpoint=url, served=str(served), adapt=report, table=table, minutes=stages.minutes())
@@ -197,10 +198,11 @@ def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stag
     from peagle_ray.bench.adapt import send_traffic, workload_prompts
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import start_endpoint
+    from peagle_ray.target import resolve_target_path
 
     prompts = workload_prompts(cfg.demo.workload)[: cfg.demo.requests]
     stages.start("workload", f"{len(prompts)} {cfg.demo.workload} requests through the endpoint, recorded")
-    target = Path(cfg.target.path)
+    target = resolve_target_path(cfg)
     url = start_endpoint(with_values(cfg, {"serving.drafter_version": label}), target, read_drafter(general))
     print(f"[demo] the endpoint serves {label} at {url}, recording to {cfg.serving.record_dir}", flush=True)
     with tqdm(total=len(prompts), desc="workload", unit="request") as bar:

@@ -10,8 +10,12 @@ e.g. 10 drafts, accepted per position [8, 5, 1] -> acceptance [0.8, 0.5, 0.1], A
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 PREFIX = "vllm:spec_decode_"
+
+
+Counters = dict[str, Any]  # {name without PREFIX: an int, or a list of ints per draft position}
 
 
 @dataclass
@@ -37,7 +41,7 @@ class SpecStats:
         }
 
     @staticmethod
-    def from_counters(counters: dict[str, int | list[int]]) -> SpecStats:
+    def from_counters(counters: Counters) -> SpecStats:
         """From {name without the vllm:spec_decode_ prefix: value}, summed over engines already."""
         return SpecStats(
             int(counters.get("num_drafts", 0)),
@@ -68,9 +72,9 @@ def add_lists(a: list[int], b: list[int], sign: int = 1) -> list[int]:
     return [x + sign * y for x, y in zip(list(a) + [0] * (n - len(a)), list(b) + [0] * (n - len(b)), strict=True)]
 
 
-def counters_from_snapshot(metrics) -> dict[str, int | list[int]]:
+def counters_from_snapshot(metrics) -> Counters:
     """vLLM's `get_metrics()` / `get_metrics_snapshot()` list -> summed spec-decode counters."""
-    counters: dict[str, int | list[int]] = {}
+    counters: Counters = {}
     for metric in metrics:
         if not metric.name.startswith(PREFIX):
             continue

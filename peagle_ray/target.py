@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,7 +159,7 @@ def fetch_smollm2_gguf(cache_dir: Path) -> Path:
     return gguf
 
 
-def load_gguf_model(gguf: Path) -> tuple[torch.nn.Module, object]:
+def load_gguf_model(gguf: Path) -> tuple[torch.nn.Module, Any]:
     """transformers' de-quantizing GGUF loader: (model in float32, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

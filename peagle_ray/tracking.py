@@ -31,7 +31,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH
 
 RUN_NAME_TAG = "peagle.run_name"
@@ -229,7 +229,7 @@ class MetricLog:
             self.rows.append((step, metrics))
 
     def flush(self) -> None:
-        if self.rows:
+        if self.rows and self.uri and self.run_id:
             log_metrics(self.uri, self.run_id, [(k, v, step) for step, row in self.rows for k, v in row.items()])
             self.logged_through = max(step for step, _ in self.rows)
         self.rows = []
@@ -316,9 +316,12 @@ def register_export(uri: str, cfg: PeagleConfig, run_name: str, export: Path, wo
     run_name that holds it as the artifact `drafter`; returns the version."""
     from peagle_ray.config import with_values
 
+    name = cfg.tracking.registered_model
+    if not name:
+        raise ConfigError("registering a drafter needs tracking.registered_model; got None")
     run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": run_name}), work_dir)
     log_files(uri, run_id, [], dirs={"drafter": export})
-    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter", cfg.adapt.alias)
+    return register_model(uri, run_id, name, "drafter", cfg.adapt.alias)
 
 
 def aliased_version(uri: str, name: str, alias: str) -> dict | None:

@@ -303,7 +303,7 @@ def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(work
     from peagle_ray.export.speculators import export_drafter
 
     drafter, _ = learning.initial_drafter(cfg)
-    export = export_drafter(drafter, workdir / "features-drafter", tiny_target, check_inputs(cfg)["aux_layer_ids"], K)
+    export = export_drafter(drafter, workdir / "features-drafter", tiny_target, check_inputs(cfg).aux_layer_ids, K)
     diagnosis = features.run(cfg, {"peagle": export}, validation_records=2, progress=lambda _line: None)
     assert (
         set(diagnosis["features"]) == {"captured", "zeroed", "shuffled"}
@@ -313,7 +313,7 @@ def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(work
         assert len(row["acc_by_depth"]) == K and all(0 <= a <= 1 for a in row["acc_by_depth"])
         assert 1 <= row["acceptance_length"] <= K + 1
     assert len(diagnosis["counts"]["acc_by_depth"]) == K and 0 <= diagnosis["counts"]["acc_by_depth"][0] <= 1
-    assert [row["layer"] for row in diagnosis["layers"]] == list(check_inputs(cfg)["aux_layer_ids"])
+    assert [row["layer"] for row in diagnosis["layers"]] == list(check_inputs(cfg).aux_layer_ids)
     assert all(row["max_abs"] > 0 for row in diagnosis["layers"])
 
     curve_cfg = with_values(

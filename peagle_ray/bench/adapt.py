@@ -28,6 +28,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
@@ -84,7 +85,12 @@ def run(
     """{"workloads": {name: result}, "goals": {name: {...}}} (module docstring)."""
     if "peagle" not in drafters:
         raise ConfigError("bench adapt starts from a P-EAGLE drafter: pass --peagle DIR or train one first")
-    out = {"drafter": str(drafters["peagle"]), "max_tokens": max_tokens, "steps": steps, "workloads": {}}
+    out: dict[str, Any] = {
+        "drafter": str(drafters["peagle"]),
+        "max_tokens": max_tokens,
+        "steps": steps,
+        "workloads": {},
+    }
     for name in workloads:
         progress(f"[bench adapt] {name}")
         out["workloads"][name] = workload_run(
@@ -271,7 +277,7 @@ def log_to_mlflow(cfg: PeagleConfig, result: dict) -> dict[str, str]:
     runs = {}
     with tracking_uri(cfg, mlflow_dir(cfg.training.storage_path)) as uri:
         for name, r in result["workloads"].items():
-            flat = {"step": 0}
+            flat: dict[str, Any] = {"step": 0}
             for decoder, row in r["heldout"].items():
                 flat.update({f"{decoder}_{k}": v for k, v in row.items() if isinstance(v, (int, float, list))})
             run = f"bench-adapt-{name}"

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,7 +79,7 @@ def run(
     cfg: PeagleConfig,
     adaptation: Path | None = None,
     variants: dict[str, list[str]] | list[list[str]] | None = None,
-    budgets: list[int] = (100, 300),
+    budgets: Sequence[int] = (100, 300),
     general_records: int = 12,
     progress=print,
 ) -> dict:
@@ -106,7 +108,7 @@ def run(
         },
     )
     traffic_train, traffic_val = split_records(acfg, None)
-    result = {
+    result: dict[str, Any] = {
         "adaptation": str(adaptation),
         "budgets": budgets,
         "records": {

@@ -12,15 +12,16 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from peagle_ray.bench.shapes import bench_arch, random_drafter
-from peagle_ray.drafter.model import DraftCache
+from peagle_ray.drafter.model import Algorithm, DraftCache
 
 
 def proposal_ms(
-    algorithm: str,
+    algorithm: Algorithm,
     k: int,
     draft_vocab_size: int | None,
     context: int,
@@ -70,7 +71,7 @@ def run(
                 str(k): round(proposal_ms(a, k, draft_vocab_size, context, repeats, target, dtype, num_layers), 3)
                 for k in range(1, max_k + 1)
             }
-            for a in ("peagle", "eagle3")
+            for a in get_args(Algorithm)  # peagle, eagle3
         }
         result[key] = ms
         result[f"ratio_k{max_k}_over_k1" + key.removeprefix("ms")] = {

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -151,7 +152,7 @@ def run(
     train, validation = split_records(fcfg, validation_records)
     drafter, teacher = initial_drafter(fcfg)
     depths, k = fcfg.drafter.trained_depths, fcfg.drafter.num_depths
-    result = {
+    result: dict[str, Any] = {
         "drafter": str(drafter_dir),
         "records": {"train": len(train), "validation": len(validation)},
         "features": {},

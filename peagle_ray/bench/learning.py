@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,13 +61,13 @@ def initial_drafter(cfg: PeagleConfig):
 
     inputs = check_inputs(cfg)
     drafter, teacher, _ = drafter_for_target(
-        inputs["info"].path,
+        inputs.info.path,
         cfg.drafter,
-        read_token_counts(cfg.data.output_dir),
-        len(inputs["aux_layer_ids"]),
+        read_token_counts(Path(cfg.data.output_dir)),
+        len(inputs.aux_layer_ids),
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
-        feature_scale=torch.tensor(inputs["feature_scale"]) if "feature_scale" in inputs else None,
+        feature_scale=None if inputs.feature_scale is None else torch.tensor(inputs.feature_scale),
     )
     return drafter, teacher
 
@@ -140,13 +141,13 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object
     from peagle_ray.train.job import check_inputs
 
     inputs = check_inputs(cfg)
-    target_dir = inputs["info"].path
+    target_dir = inputs.info.path
     prompts = eval_prompts(cfg, target_dir)
     k = cfg.drafter.num_depths
 
     def measure(drafter, teacher, steps: int) -> dict:
         out = export_drafter(
-            drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs["aux_layer_ids"], k
+            drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs.aux_layer_ids, k
         )
         run = run_engine(cfg, target_dir, speculative_config(read_drafter(out), k), prompts, timing_prompts=0)
         counters = sum((SpecStats(**c["counters"]) for c in run["acceptance"].values()), SpecStats())
@@ -170,7 +171,7 @@ def ablation(
     if not isinstance(variants, dict):
         variants = {name: overrides for name, *overrides in variants} if variants else {"baseline": []}
     train, validation = split_records(cfg, cfg.training.validation_records)
-    result = {
+    result: dict[str, Any] = {
         "steps": steps,
         "baseline": next(iter(variants)),
         "train_records": len(train),
@@ -189,8 +190,8 @@ def ablation(
 
 def learning_curve(
     cfg: PeagleConfig,
-    budgets: list[int] = (50, 100, 200, 400),
-    algorithms: list[str] = ("peagle", "eagle3"),
+    budgets: Sequence[int] = (50, 100, 200, 400),
+    algorithms: Sequence[str] = ("peagle", "eagle3"),
     work_dir: Path | None = None,
     progress: Progress = print,
 ) -> dict:
@@ -199,7 +200,7 @@ def learning_curve(
     budgets = sorted(set(budgets))
     work_dir = work_dir or bench_dir(cfg, "learning-curve")
     train, validation = split_records(cfg, cfg.training.validation_records)
-    result = {
+    result: dict[str, Any] = {
         "budgets": budgets,
         "suite": cfg.eval.suite,
         "train_records": len(train),

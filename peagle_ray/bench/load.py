@@ -97,6 +97,7 @@ def run(
         ensure_ray()
         drafter = Path(drafter_dir) if drafter_dir else default_drafter(cfg)
         url = start_endpoint(cfg, target, read_drafter(drafter) if (drafter / "config.json").is_file() else None)
+    assert url is not None  # given, or the endpoint started above
     try:
         result = asyncio.run(
             _load(url, target.name, cfg.serving.api_token, load_prompts(), clients, requests_per_client, max_tokens)

@@ -40,7 +40,7 @@ def one_shape(n: int, k: int, steps: int, draft_vocab_size: int, generator: torc
     cod = DrafterConfig(num_depths=k)
     grid = Elements(torch.arange(n).repeat_interleave(k), torch.arange(k).repeat(n))  # every (anchor, depth)
     one_document = torch.zeros(n, dtype=torch.long)
-    table = {}
+    table: dict[str, torch.Tensor] = {}
     build_s = _seconds(lambda: table.setdefault("mask", attention_mask(grid, grid, one_document)))
     arch = bench_arch("peagle", k, draft_vocab_size)
     drafter, teacher = random_drafter(arch)

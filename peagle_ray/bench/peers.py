@@ -30,7 +30,9 @@ import copy
 import importlib.util
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -156,7 +158,7 @@ def train_all(cfg: PeagleConfig, algorithms, work_dir: Path, progress: Progress)
 
     train, validation = split_records(cfg, cfg.training.validation_records)
     inputs = check_inputs(cfg)
-    target_dir, layer_ids, k = inputs["info"].path, inputs["aux_layer_ids"], cfg.drafter.num_depths
+    target_dir, layer_ids, k = inputs.info.path, inputs.aux_layer_ids, cfg.drafter.num_depths
     rows, exports = {}, {}
 
     for algorithm in algorithms:
@@ -286,7 +288,7 @@ def run(
     cfg: PeagleConfig,
     steps: int | None = None,
     algorithms: tuple[str, ...] = ("peagle", "eagle3"),
-    suites: tuple[str, ...] = SUITES,
+    suites: Sequence[str] = SUITES,
     prompts: int = 16,
     timed: int = 8,
     ngram_k: tuple[int, ...] = (2, 3, 4),
@@ -299,7 +301,7 @@ def run(
     work_dir = bench_dir(cfg, "peers")
     suites = list(suites)
     training, exports, records = train_all(cfg, list(algorithms), work_dir, progress)
-    result = {
+    result: dict[str, Any] = {
         "steps": steps,
         "k": cfg.drafter.num_depths,
         "records": records,

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.build import arch_from_target
-from peagle_ray.drafter.model import Drafter, DrafterArch
+from peagle_ray.drafter.model import Algorithm, Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.target import read_target_info
 from peagle_ray.train.elements import TrainSequence
 
 # SmolLM2-135M-Instruct (config.json of the embedded target)
-SMOLLM2_SHAPE = dict(
+SMOLLM2_SHAPE: dict[str, Any] = dict(
     hidden_size=576,
     intermediate_size=1536,
     num_heads=9,
@@ -27,7 +28,7 @@ SMOLLM2_SHAPE = dict(
 
 
 def bench_arch(
-    algorithm: str, num_depths: int, draft_vocab_size: int | None, num_layers: int = 1, target: Path | None = None
+    algorithm: Algorithm, num_depths: int, draft_vocab_size: int | None, num_layers: int = 1, target: Path | None = None
 ) -> DrafterArch:
     """A drafter arch with the SmolLM2 shape (or `target`'s), 3 aux layers, mask token = last row."""
     if target is not None:

@@ -21,6 +21,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -96,7 +97,7 @@ def reference_step(seq_len: int, depths: int, draft_vocab_size: int) -> dict:
     drafter.t2d.zero_()
     drafter.t2d[: arch.draft_vocab_size] = True  # draft id i is target id i (d2t all zero)
     with tempfile.TemporaryDirectory(prefix="peagle-shape-target-") as tmp:
-        model = build_reference(shape_target(arch, tmp), drafter, [0, 1, 2])
+        model = build_reference(Path(shape_target(arch, tmp)), drafter, [0, 1, 2])
     cfg = build_config({"drafter": {"num_depths": depths}})
     seq = random_sequence(arch, seq_len, torch.Generator().manual_seed(0))
     torch.manual_seed(0)

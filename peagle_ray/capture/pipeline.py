@@ -68,7 +68,7 @@ class CaptureStage:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         responses = [self.handle.capture.remote(ids.tolist()) for ids in batch["input_ids"]]
         aux_width = (self.num_layers - 1) * self.hidden_size
-        out = {
+        out: dict[str, list] = {
             "sample_id": [],
             "split": [],
             "input_ids": [],

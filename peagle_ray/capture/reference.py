@@ -13,7 +13,7 @@ import torch
 @torch.no_grad()
 def hf_hidden_states(model, input_ids: torch.Tensor, aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux (T, n_aux * H), last (T, H)) for one sequence `input_ids` (T,)."""
-    captured = {}
+    captured: dict[str, torch.Tensor] = {}
     hook = model.model.layers[-1].register_forward_hook(
         lambda _m, _i, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
     )

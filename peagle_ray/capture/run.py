@@ -49,7 +49,7 @@ def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
         stop_target_server()
 
 
-def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[list[int]]]:
+def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[list[int] | None]]:
     """Send a batch of prompts to the target at once (vLLM batches them); return the generated ids."""
 
     asked = [0]  # requests sent so far: each has its own seed, data.seed + its number
@@ -111,7 +111,7 @@ def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
     bad = BadRows()
     if cfg.data.regenerate and session is None:
         raise ValueError("data.regenerate is true but no target session was given")
-    regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate else None
+    regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate and session is not None else None
     magpie = any(is_magpie(s) for s in cfg.data.sources)
     writer = prompt_writer(session.handle, cfg, tokenizer) if magpie and session is not None else None
     conversations = read_conversations(

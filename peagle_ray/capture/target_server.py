@@ -80,6 +80,8 @@ class TargetServer:
         final = None
         async for output in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), sampling, uuid.uuid4().hex):
             final = output
+        if final is None:
+            raise RuntimeError("the target engine returned no output")
         return list(final.outputs[0].token_ids), (final.kv_transfer_params or {}).get("hidden_states_path")
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int = 0) -> list[int]:
@@ -146,7 +148,7 @@ def start_target_server(cfg: PeagleConfig, target_dir, num_target_layers: int):
     # On CPU the engine uses the cores regardless; reserving them would starve the Ray Data actors on a
     # small machine, so the replica claims none. On GPU it claims capture.num_gpus.
     options = {"num_cpus": 0, "num_gpus": cfg.capture.num_gpus, "runtime_env": {"env_vars": env}}
-    app = TargetServer.options(
+    app = TargetServer.options(  # type: ignore[attr-defined]  # @serve.deployment made it a Deployment
         num_replicas=cfg.capture.num_replicas,
         max_replicas_per_node=cfg.capture.max_replicas_per_node,
         ray_actor_options=options,

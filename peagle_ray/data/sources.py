@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from peagle_ray.config import ConfigError
 from peagle_ray.data.prepare import BadRow, BadRows, Conversation, normalize_messages, split_of
@@ -63,7 +64,7 @@ def read_conversations(
                     f"data.sources entry {source!r} needs the target to write prompts; "
                     "run it through `peagle-ray data prepare`, which starts the target"
                 )
-            yield from magpie_conversations(source_count(source), write_prompts, validation_fraction, bad)
+            yield from magpie_conversations(source_count(source) or 0, write_prompts, validation_fraction, bad)
         elif is_traffic(source):
             yield from traffic_conversations(source, validation_fraction, bad, max_row_bytes)
         else:
@@ -116,7 +117,7 @@ def file_conversations(
         yield Conversation(sample_id, messages, category, split_of(sample_id, validation_fraction))
 
 
-def _rows(source: str, max_row_bytes: int | None, bad: BadRows) -> Iterator[tuple[str, object]]:
+def _rows(source: str, max_row_bytes: int | None, bad: BadRows) -> Iterator[tuple[str, Any]]:
     """(row id, parsed row or BadRow) for one file or data set directory."""
     path = Path(source)
     if path.is_dir():

@@ -332,7 +332,7 @@ class Drafter(nn.Module):
             self.project(aux_hidden), self.embed_tokens(tokens), new.position, lambda last: cache.mask(new), cache.kv, 0
         )
         cache.append(kv, m)
-        drafted, hidden, chain_kv = [], out[-1:], [(k, v) for k, v in cache.kv]
+        drafted, hidden, chain_kv = [], out[-1:], list(cache.kv or [])
         for d in range(num_tokens):
             draft = self.logits(hidden).argmax(-1)
             drafted.append(draft + self.d2t[draft])

@@ -270,6 +270,7 @@ def run_eval(
             rows = summarize(0, run, run)
             results["target_only"] = {c: {"tokens_per_s": r["tokens_per_s"]} for c, r in rows.items()}
             continue
+        assert baseline is not None  # the plan starts with the target alone
         entry = results.setdefault(algorithm, {"drafter": str(drafters[algorithm]), "by_k": {}})
         entry["by_k"][k] = summarize(k, baseline, run)
     for algorithm in ALGORITHMS:
@@ -377,7 +378,8 @@ def log_results(
             continue
         provenance_file = Path(drafters[algorithm]) / PROVENANCE
         trained_in = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
-        metrics, table = [], {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep
+        metrics: list[tuple[str, float, int]] = []
+        table: dict[str, list] = {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep
         for k, rows in results[algorithm]["by_k"].items():
             overall = rows["overall"]
             metrics += [  # these against K

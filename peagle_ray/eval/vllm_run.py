@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def run(spec: dict) -> dict:
@@ -37,7 +38,7 @@ def run(spec: dict) -> dict:
 
     started = time.perf_counter()
     llm = LLM(**spec["engine_args"])
-    out = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
+    out: dict[str, Any] = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
     sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
     if spec.get("warmup"):
         llm.generate([{"prompt_token_ids": p} for p in spec["warmup"]], sampling, use_tqdm=False)

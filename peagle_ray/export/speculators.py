@@ -20,6 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -76,7 +77,7 @@ def speculators_config(
     if arch.num_aux != 3:
         layer_config["num_aux_hidden_states"] = arch.num_aux  # vLLM assumes 3 unless told
     algorithm = arch.algorithm
-    config = {
+    config: dict[str, Any] = {
         "architectures": ["PEagleSpeculator" if algorithm == "peagle" else "Eagle3Speculator"],
         "speculators_model_type": algorithm,
         "draft_vocab_size": arch.draft_vocab_size,

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from peagle_ray.data.traffic import SCHEMA
 
@@ -70,7 +71,7 @@ class TrafficRecorder:
         self._prefix = f"traffic-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         self._files: list[Path] = []  # this recorder's files, oldest first
         self._opened = 0
-        self._handle = None
+        self._handle: BinaryIO | None = None
         self._size = 0
         self._thread = threading.Thread(target=self._run, name="traffic-recorder", daemon=True)
         self._thread.start()
@@ -114,23 +115,27 @@ class TrafficRecorder:
                 self.queue.task_done()
 
     def _write(self, line: bytes) -> None:
-        if self._handle is None or self._size + len(line) > self.file_bytes:
-            self._rotate()
-        self._handle.write(line)
-        self._handle.flush()
+        handle = self._handle
+        if handle is None or self._size + len(line) > self.file_bytes:
+            handle = self._rotate()
+        handle.write(line)
+        handle.flush()
         self._size += len(line)
         self.recorded += 1
 
-    def _rotate(self) -> None:
+    def _rotate(self) -> BinaryIO:
+        """A new file to write to (the oldest deleted beyond serving.record_max_mb)."""
         self._close_file()
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.directory / f"{self._prefix}-{self._opened:05d}.jsonl"
         self._opened += 1
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._handle, self._size = os.fdopen(fd, "ab"), 0
+        handle = self._handle = os.fdopen(fd, "ab")
+        self._size = 0
         self._files.append(path)
         while len(self._files) > 1 and sum(_size(p) for p in self._files) + self.file_bytes > self.max_bytes:
             self._files.pop(0).unlink(missing_ok=True)
+        return handle
 
     def _close_file(self) -> None:
         if self._handle is not None:

@@ -12,21 +12,37 @@ The workers' output does not reach the driver, so the driver's progress bar read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from peagle_ray import layout
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.train.checkpoint import CHECKPOINT_WEIGHTS, load_drafter_from_checkpoint
-from peagle_ray.train.worker import train_worker
+from peagle_ray.train.worker import WorkerPlan, train_worker
+
+if TYPE_CHECKING:
+    from peagle_ray.target import TargetInfo
 
 
-def check_inputs(cfg: PeagleConfig) -> dict:
+@dataclass(frozen=True)
+class TrainInputs:
+    """What training reads, checked before any worker starts (check_inputs)."""
+
+    info: TargetInfo  # the target: path, shape, aux layers
+    aux_layer_ids: list[int]
+    token_counts: Path  # the prepared data's loss-masked token counts (draft vocabulary)
+    feature_scale: list[float] | None = None  # drafter.normalize_features' per-channel scale
+
+
+def check_inputs(cfg: PeagleConfig) -> TrainInputs:
     """Fail fast, before any worker starts: target, prepared data and (offline) captured shards must exist."""
     from peagle_ray.capture.pipeline import read_manifest
     from peagle_ray.data.prepare import TOKEN_COUNTS, read_summary
@@ -63,10 +79,8 @@ def check_inputs(cfg: PeagleConfig) -> dict:
             f"directory (model.safetensors or {CHECKPOINT_WEIGHTS})"
         )
     aux = info.aux_layer_ids(cfg.capture.aux_layer_ids)
-    inputs = {"info": info, "aux_layer_ids": aux, "token_counts": str((data_dir / TOKEN_COUNTS).resolve())}
-    if cfg.drafter.normalize_features:
-        inputs["feature_scale"] = feature_scale(cfg)
-    return inputs
+    scale = feature_scale(cfg) if cfg.drafter.normalize_features else None
+    return TrainInputs(info, list(aux), (data_dir / TOKEN_COUNTS).resolve(), scale)
 
 
 FEATURE_SCALE_RECORDS = 64
@@ -116,7 +130,7 @@ def _score(metrics: dict) -> float:
     return -math.inf if math.isnan(value) else value
 
 
-def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
+def _fit(cfg: PeagleConfig, plan: WorkerPlan, train_ds=None, val_ds=None):
     """Run the TorchTrainer; online capture passes its Ray Datasets, offline workers read the shards."""
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -125,7 +139,7 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
     low, high = tcfg.worker_range
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config=plan,
+        train_loop_config=dataclasses.asdict(plan),
         scaling_config=ScalingConfig(
             num_workers=high if low == high else (low, high),
             use_gpu=tcfg.use_gpu,
@@ -135,7 +149,7 @@ def _fit(cfg: PeagleConfig, plan: dict, train_ds=None, val_ds=None):
         ),
         run_config=RunConfig(
             name=cfg.training.run_name,
-            storage_path=plan["storage_path"],
+            storage_path=plan.storage_path,
             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.training.checkpoints_to_keep,
@@ -173,7 +187,7 @@ def run_training(cfg: PeagleConfig) -> dict:
         with run_status(uri, run_id):
             data_dir = Path(cfg.data.output_dir)
             files = [prepared_file(data_dir, split) for split in SPLITS]
-            log_training_data(uri, run_id, cfg, read_summary(data_dir), files)
+            log_training_data(uri, run_id, cfg, read_summary(data_dir) or {}, files)
             plan = worker_plan(cfg, inputs, uri, run_id, storage)
             with metric_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}"):
                 result = _fit(cfg, plan) if cfg.capture.mode == "offline" else _fit_online(cfg, plan)
@@ -200,23 +214,23 @@ def run_training(cfg: PeagleConfig) -> dict:
     return summary
 
 
-def worker_plan(cfg: PeagleConfig, inputs: dict, uri: str, run_id: str, storage: Path) -> dict:
-    """What every worker gets from the driver: plain data only."""
-    return {
-        "config": cfg.model_dump(mode="json"),
-        "target_dir": str(inputs["info"].path),
-        "aux_layer_ids": inputs["aux_layer_ids"],
-        "token_counts": inputs["token_counts"],
-        "tracking_uri": uri,
-        "run_id": run_id,
-        "storage_path": cfg.training.checkpoint_uri or str(storage),
-        "crash_marker": str(layout.crash_marker(storage, cfg.training.run_name)),
-        "offline_dir": str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
-        "feature_scale": inputs.get("feature_scale"),
-    }
+def worker_plan(cfg: PeagleConfig, inputs: TrainInputs, uri: str, run_id: str, storage: Path) -> WorkerPlan:
+    """What every worker gets from the driver."""
+    return WorkerPlan(
+        config=cfg.model_dump(mode="json"),
+        target_dir=str(inputs.info.path),
+        aux_layer_ids=inputs.aux_layer_ids,
+        token_counts=str(inputs.token_counts),
+        tracking_uri=uri,
+        run_id=run_id,
+        storage_path=cfg.training.checkpoint_uri or str(storage),
+        crash_marker=str(layout.crash_marker(storage, cfg.training.run_name)),
+        offline_dir=str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
+        feature_scale=inputs.feature_scale,
+    )
 
 
-def _fit_online(cfg: PeagleConfig, plan: dict):
+def _fit_online(cfg: PeagleConfig, plan: WorkerPlan):
     """Capture through the Serve-hosted target while training: the training split streams as a Ray Dataset;
     the validation split is captured once up front (every validation measures the same records)."""
     import ray
@@ -239,7 +253,7 @@ def _fit_online(cfg: PeagleConfig, plan: dict):
         return _fit(cfg, plan, capture("train"), ray.data.from_items(validation))
 
 
-def _export_best(checkpoint, out_dir: Path, cfg: PeagleConfig, inputs: dict, provenance_extra: dict) -> Path:
+def _export_best(checkpoint, out_dir: Path, cfg: PeagleConfig, inputs: TrainInputs, provenance_extra: dict) -> Path:
     from peagle_ray.export.speculators import export_drafter
 
     with checkpoint.as_directory() as directory:
@@ -247,8 +261,8 @@ def _export_best(checkpoint, out_dir: Path, cfg: PeagleConfig, inputs: dict, pro
     return export_drafter(
         drafter,
         out_dir,
-        inputs["info"].path,
-        inputs["aux_layer_ids"],
+        inputs.info.path,
+        inputs.aux_layer_ids,
         cfg.drafter.num_depths,
         cfg.target.max_model_len,
         provenance_extra,

@@ -73,7 +73,8 @@ class EpochCache:
     Past `limit` bytes it gives up (deletes the file; `complete` stays False)."""
 
     def __init__(self, limit: int):
-        self.limit, self.size, self.rows, self.keys = limit, 0, 0, None
+        self.limit, self.size, self.rows = limit, 0, 0
+        self.keys: list[str] = []  # the first row's, sorted; every row must have the same
         self._dir = tempfile.TemporaryDirectory(prefix="peagle-epoch-cache-") if limit > 0 else None
         self._file = open(Path(self._dir.name) / "rows.npy", "wb") if self._dir else None  # noqa: SIM115
 
@@ -101,16 +102,17 @@ class EpochCache:
             self._file = None
 
     def replay(self) -> Iterator[dict]:
+        assert self._dir is not None, "replay() after complete() said True"
         with open(Path(self._dir.name) / "rows.npy", "rb") as f:
             for _ in range(self.rows):
                 arrays = {key: np.load(f, allow_pickle=False) for key in self.keys}
                 yield {k: a.item() if a.ndim == 0 else a for k, a in arrays.items()}
 
     def _give_up(self) -> None:
-        self._file.close()
-        self._file = None
-        self._dir.cleanup()
-        self._dir = None
+        self.close_writing()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
 
     def __enter__(self) -> EpochCache:
         return self
@@ -208,6 +210,23 @@ def failing_once(batches: Iterator, first_step: int, crash_step: int, marker: Pa
         yield batch
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What every worker gets from the driver: plain data (it crosses to the workers as Ray Train's
+    train_loop_config, a dict: dataclasses.asdict of this)."""
+
+    config: dict  # the run's PeagleConfig, model_dump(mode="json")
+    target_dir: str
+    aux_layer_ids: list[int]  # the target layers whose hidden states are the drafter's features
+    token_counts: str  # the prepared data's token_counts.safetensors (draft vocabulary)
+    tracking_uri: str
+    run_id: str  # the MLflow run rank 0 logs to
+    storage_path: str  # Ray Train's storage: training.checkpoint_uri or <training.storage_path>
+    crash_marker: str  # written by a worker crashed on purpose (training.crash_once_at_step)
+    offline_dir: str | None  # the captured shards each rank reads (capture.mode offline); None: Ray Datasets
+    feature_scale: list[float] | None  # drafter.normalize_features' per-channel scale
+
+
 @dataclass
 class Rank:
     """What one worker holds between steps."""
@@ -224,22 +243,22 @@ class Rank:
     state: dict  # step, best AL, and what a standalone export needs (saved in each checkpoint)
 
 
-def build_rank(plan: dict) -> Rank:
+def build_rank(plan: WorkerPlan) -> Rank:
     """The drafter (same seed on every rank), its optimizer, and the state of Ray Train's latest checkpoint."""
     import ray.train
     import ray.train.torch
 
-    cfg = PeagleConfig.model_validate(plan["config"])
+    cfg = PeagleConfig.model_validate(plan.config)
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     drafter, teacher, _ = drafter_for_target(
-        Path(plan["target_dir"]),
+        Path(plan.target_dir),
         cfg.drafter,
-        load_file(plan["token_counts"])["counts"],
-        len(plan["aux_layer_ids"]),
+        load_file(plan.token_counts)["counts"],
+        len(plan.aux_layer_ids),
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
-        feature_scale=None if plan["feature_scale"] is None else torch.tensor(plan["feature_scale"]),
+        feature_scale=None if plan.feature_scale is None else torch.tensor(plan.feature_scale),
     )
     device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
     if device.type == "cpu":
@@ -251,8 +270,8 @@ def build_rank(plan: dict) -> Rank:
         "step": 0,
         "best_al": -1.0,
         "best_step": None,
-        "target_dir": plan["target_dir"],
-        "aux_layer_ids": plan["aux_layer_ids"],
+        "target_dir": plan.target_dir,
+        "aux_layer_ids": plan.aux_layer_ids,
         "num_speculative_tokens": cfg.drafter.num_depths,
         "max_model_len": cfg.target.max_model_len,
     }
@@ -263,7 +282,7 @@ def build_rank(plan: dict) -> Rank:
     return Rank(cfg, rank, world, device, drafter, teacher, optimizer, scheduler, generator, state)
 
 
-def rank_records(plan: dict, r: Rank) -> tuple[Iterator[dict], list[dict]]:
+def rank_records(plan: WorkerPlan, r: Rank) -> tuple[Iterator[dict], list[dict]]:
     """This rank's training records (epoch after epoch) and, on rank 0, the validation records measured.
     Offline, each rank reads its share of the shards itself (no Ray Data executor to feed); online, the
     driver's Ray Datasets."""
@@ -272,8 +291,9 @@ def rank_records(plan: dict, r: Rank) -> tuple[Iterator[dict], list[dict]]:
     from peagle_ray.capture.pipeline import read_split
 
     epochs, first = r.cfg.training.epochs, r.rank == 0
-    if plan["offline_dir"]:
-        shards = Path(plan["offline_dir"])
+    records: Iterator[dict]
+    if plan.offline_dir:
+        shards = Path(plan.offline_dir)
         validation_rows = read_split(shards, "validation") if first else []
         records = (row for _ in range(epochs) for row in read_split(shards, "train", r.rank, r.world))
     else:
@@ -318,15 +338,16 @@ def validate_and_checkpoint(r: Rank, step: int, metrics: dict, validation: list[
         ray.train.report({"step": step, **metrics, **val}, checkpoint=checkpoint)
 
 
-def train_worker(plan: dict) -> None:
-    """Runs on every Ray Train worker. `plan` is plain data prepared by the driver."""
+def train_worker(config: dict) -> None:
+    """Runs on every Ray Train worker. `config` is the driver's WorkerPlan as a dict (train_loop_config)."""
+    plan = WorkerPlan(**config)
     r = build_rank(plan)
     tcfg = r.cfg.training
     records, validation = rank_records(plan, r)
-    log = MetricLog(plan["tracking_uri"], plan["run_id"]) if r.rank == 0 else MetricLog(None, None)
+    log = MetricLog(plan.tracking_uri, plan.run_id) if r.rank == 0 else MetricLog(None, None)
     batches = full_batches(records, tcfg.sequences_per_step)
     if tcfg.crash_once_at_step is not None and r.rank == min(1, r.world - 1):
-        batches = failing_once(batches, r.state["step"], tcfg.crash_once_at_step, Path(plan["crash_marker"]))
+        batches = failing_once(batches, r.state["step"], tcfg.crash_once_at_step, Path(plan.crash_marker))
     batch = next(batches, None)
     for step in range(r.state["step"], tcfg.max_steps):
         if batch is None:

@@ -105,7 +105,7 @@ def regression_error(parent: dict, child: dict) -> float | None:
     "by_category" AL, as judge records it); None without per-category figures for at least 2 categories.
 
     e.g. by_category {"a": 1.2, "b": 1.3} -> {"a": 1.1, "b": 1.3}: losses [0.1, 0.0] -> 0.05."""
-    from peagle_ray.eval.sweep import standard_error
+    from peagle_ray.eval.metrics import standard_error
 
     before, after = parent.get("by_category") or {}, child.get("by_category") or {}
     return standard_error([before[c] - after[c] for c in sorted(before) if c in after])
@@ -114,7 +114,8 @@ def regression_error(parent: dict, child: dict) -> float | None:
 def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: int) -> dict:
     """{name: {"heldout": row, "general": row}} for each drafter, from one target-alone run and one run per
     drafter over the held-out traffic and the general suite together (stock vLLM, the served K)."""
-    from peagle_ray.eval.sweep import eval_prompts, run_engine, summarize
+    from peagle_ray.eval.metrics import summarize
+    from peagle_ray.eval.sweep import eval_prompts, run_engine
     from peagle_ray.export.speculators import read_drafter, speculative_config
     from peagle_ray.target import resolve_target_path
 
@@ -142,7 +143,7 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
 def heldout_recommendation(row: dict):
     """Serve a drafter at its K only where its held-out row (judge's) was measurably faster than the target
     alone (eval.sweep.recommend_k's rule: speedup less two standard errors above 1)."""
-    from peagle_ray.eval.sweep import recommend_k
+    from peagle_ray.eval.metrics import recommend_k
 
     return recommend_k({row["k"]: {"overall": row}})
 

@@ -6,16 +6,9 @@ from pathlib import Path
 import pytest
 
 from peagle_ray.bench.e2e import goal
-from peagle_ray.eval.sweep import (
-    fastest_k,
-    format_table,
-    prompt_speedups,
-    recommend_k,
-    set_drafter_k,
-    standard_error,
-    summarize,
-    write_recommendation,
-)
+from peagle_ray.eval.metrics import fastest_k, prompt_speedups, recommend_k, standard_error, summarize
+from peagle_ray.eval.report import format_table
+from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
 from peagle_ray.export.speculators import Recommendation
 from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
 
@@ -190,7 +183,7 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     from mlflow.tracking import MlflowClient
 
     from peagle_ray.config import PeagleConfig
-    from peagle_ray.eval.sweep import log_results
+    from peagle_ray.eval.report import log_results
 
     def log_to_mlflow(uri, cfg, results, drafters, work_dir):  # as evaluate() does: the JSON first
         work_dir.mkdir(exist_ok=True)

@@ -193,7 +193,8 @@ def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: l
     from transformers import AutoTokenizer
 
     from peagle_ray.data.prepare import render
-    from peagle_ray.eval.sweep import run_engine, summarize
+    from peagle_ray.eval.metrics import summarize
+    from peagle_ray.eval.sweep import run_engine
     from peagle_ray.export.speculators import read_drafter, speculative_config
     from peagle_ray.target import resolve_target_path
 

@@ -226,7 +226,8 @@ def decoders(exports: dict, k: int, ngram_k) -> dict[str, dict]:
 def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int, ngram_k, progress) -> dict:
     """{suite: {decoder: row}}: one engine per decoder over every suite's prompts."""
     from peagle_ray.bench.adapt import suffix_available
-    from peagle_ray.eval.sweep import run_engine, summarize
+    from peagle_ray.eval.metrics import summarize
+    from peagle_ray.eval.sweep import run_engine
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)

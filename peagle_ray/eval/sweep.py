@@ -19,7 +19,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,9 +26,10 @@ from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
+from peagle_ray.eval.metrics import recommend_k, summarize
+from peagle_ray.eval.report import format_table, log_results
 from peagle_ray.export.speculators import Recommendation, read_drafter, speculative_config
-from peagle_ray.layout import ALGORITHMS, eval_dir, eval_name, export_dir, mlflow_dir, run_name_for
-from peagle_ray.spec_counters import SpecStats
+from peagle_ray.layout import ALGORITHMS, eval_dir, export_dir, mlflow_dir, run_name_for
 
 
 def default_drafters(cfg: PeagleConfig) -> dict[str, Path]:
@@ -123,102 +123,6 @@ def run_engine(
         return json.loads(out_file.read_text())
 
 
-def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
-    """Per category and "overall" metrics of one speculative run against the target-only run.
-
-    e.g. a category with counters {drafts 10, accepted 14, per position [8, 5, 1]} -> acceptance [0.8, 0.5,
-    0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s;
-    step_cost_vs_target = the timing prompts' AL / speedup (e.g. AL 2.5 at 2.0x -> 1.25).
-    """
-    rows, parts = {}, []
-    for category, acceptance in run["acceptance"].items():
-        t, b = run["timing"][category], baseline["timing"][category]
-        expected = baseline["acceptance"][category]["tokens"]
-        wrong = sum(x != y for x, y in zip(acceptance["tokens"], expected, strict=True))  # prompts that differ
-        part = (
-            SpecStats(**acceptance["counters"]),
-            t["tokens"],
-            t["seconds"],
-            SpecStats(**t["counters"]),
-            b["tokens"],
-            b["seconds"],
-            wrong,
-            prompt_speedups(t.get("per_prompt", []), b.get("per_prompt", [])),
-        )
-        rows[category] = _row(k, *part)
-        parts.append(part)
-    rows["overall"] = _row(k, *(sum(column[1:], column[0]) for column in zip(*parts, strict=True)))  # each field summed
-    return rows
-
-
-def prompt_speedups(timed: list[list[float]], baseline: list[list[float]]) -> list[float]:
-    """Per timed prompt, its tokens/s over the target alone's on the same prompt ([tokens, seconds] pairs).
-
-    e.g. [[10, 1.0], [10, 2.0]] against [[10, 2.0], [10, 2.0]] -> [2.0, 1.0]."""
-    return [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(timed, baseline, strict=True) if s and bn and bs]
-
-
-def standard_error(values: list[float]) -> float | None:
-    """The standard error of the mean of `values` (None under 2 values). e.g. [2.0, 1.0] -> 0.5."""
-    if len(values) < 2:
-        return None
-    mean = sum(values) / len(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
-
-
-def _row(
-    k,
-    counters: SpecStats,
-    tokens,
-    seconds,
-    timed_counters: SpecStats,
-    base_tokens,
-    base_seconds,
-    mismatches,
-    speedups: list[float],
-) -> dict:
-    tps = tokens / seconds if seconds else 0.0
-    base = base_tokens / base_seconds if base_seconds else 0.0
-    speedup = tps / base if base else None
-    return {
-        "k": k,
-        "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
-        "acceptance_length": round(counters.acceptance_length, 4),
-        "tokens_per_s": round(tps, 2),
-        "baseline_tokens_per_s": round(base, 2),
-        "speedup": round(speedup, 3) if speedup else None,
-        "speedup_se": None if (se := standard_error(speedups)) is None else round(se, 3),
-        "timed_prompts": len(speedups),
-        "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
-        "greedy_mismatches": mismatches,
-    }
-
-
-def fastest_k(by_k: dict[int, dict]) -> int:
-    """The K with the best measured overall tokens/s (ties: the smaller K)."""
-    return max(sorted(by_k), key=lambda k: by_k[k]["overall"]["tokens_per_s"])
-
-
-def recommend_k(by_k: dict[int, dict]) -> Recommendation:
-    """Draft at the fastest K only when it is measurably faster than the target alone: its overall speedup less
-    two standard errors of the per-prompt speedups (the speedup itself when under 2 prompts were timed) must
-    be above 1. Otherwise the recommendation is no drafting, and says why.
-
-    e.g. fastest K 4 at 1.30x +- 0.05 -> draft at K = 4; at 1.05x +- 0.04 -> no drafting (1.05 - 0.08 <= 1)."""
-    k = fastest_k(by_k)
-    overall = by_k[k]["overall"]
-    speedup, se = overall.get("speedup"), overall.get("speedup_se")
-    spread = (
-        f"+- {se:.2f} (standard error over {overall.get('timed_prompts')} timed prompts)"
-        if se
-        else "(spread unknown: fewer than 2 timed prompts)"
-    )
-    measured = f"the fastest K = {k} ran at {speedup or 0:.2f}x the target alone {spread}"
-    if speedup is not None and speedup - 2 * (se or 0.0) > 1.0:
-        return Recommendation(True, k, measured)
-    return Recommendation(False, k, f"no K is measurably faster than the target alone: {measured}")
-
-
 def set_drafter_k(drafter_dir: Path, k: int) -> None:
     """Write the recommended K into the exported drafter's config (serving's default K)."""
     config_file = Path(drafter_dir) / "config.json"
@@ -298,39 +202,6 @@ def run_eval(
     return results
 
 
-def format_table(results: dict) -> str:
-    """Per algorithm at its recommended K: Pos 1..K acceptance (%) and Avg Length per category, with tok/s."""
-    lines = []
-    for algorithm in ALGORITHMS:
-        if algorithm not in results:
-            continue
-        best = results[algorithm]["best"]
-        k = results[algorithm].get("best_k", results[algorithm]["recommended_k"])
-        verdict = (
-            f"recommended K = {k}"
-            if results[algorithm]["recommended_k"]
-            else f"at its fastest K = {k}; recommended: no drafting, the target alone is served"
-        )
-        head = ["Category", *[f"Pos {i}" for i in range(1, k + 1)], "Avg Length", "tok/s", "speedup"]
-        lines += [
-            f"{algorithm} ({verdict})",
-            "| " + " | ".join(head) + " |",
-            "|" + "|".join("---" for _ in head) + "|",
-        ]
-        for category, row in best.items():
-            cells = [
-                category,
-                *[f"{100 * r:.1f}" for r in row["acceptance_per_position"]],
-                f"{row['acceptance_length']:.2f}",
-                f"{row['tokens_per_s']:.1f}",
-                f"{row['speedup'] or 0:.2f}x" + (f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    lines.append(f"greedy mismatches against the target alone: {results['greedy_mismatches']}")
-    return "\n".join(lines)
-
-
 def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None = None) -> dict:
     """`peagle-ray eval` and the demo's evaluation: the sweep, its JSON (<storage>/<eval_name>/eval.json, written
     before MLflow so a tracking failure loses no measurement), the table, and the MLflow logging. Returns
@@ -352,51 +223,3 @@ def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] |
         "runs": runs,
         "tracking_uri": uri,
     }
-
-
-def log_results(
-    uri: str, cfg: PeagleConfig, results: dict, drafters: dict[str, Path], work_dir: Path
-) -> dict[str, str]:
-    """eval/* metrics (AL, tokens/s, speedup at step = K; acceptance at step = position, one metric per K,
-    and as the table eval/acceptance_per_position.json), plots, work_dir/eval.json and the `eval.recommended_k`
-    tag into each drafter's training run (from its provenance), else a run named eval-<algorithm> that ends
-    FINISHED. Suites other than the validation split log under their own prefix (eval-mt-bench/..., a section
-    of its own in the UI), so a MT-Bench sweep does not draw over the validation curves. Returns
-    {algorithm: run_id}. A tag, not a param: params are immutable, and a later sweep may recommend another K."""
-    from peagle_ray.export.speculators import PROVENANCE
-    from peagle_ray.plots import plot_acceptance, plot_tokens_per_s
-    from peagle_ray.tracking import log_files, log_metrics, log_table, results_run, set_tag
-
-    plots = [
-        plot_tokens_per_s(results, work_dir / "eval_tokens_per_s_vs_k.png"),
-        plot_acceptance(results, work_dir / "eval_acceptance_per_position.png"),
-    ]
-    runs, sweep = {}, time.strftime("%Y-%m-%dT%H:%M:%S")
-    prefix = eval_name(results.get("suite", "validation"))
-    for algorithm in ALGORITHMS:
-        if algorithm not in results:
-            continue
-        provenance_file = Path(drafters[algorithm]) / PROVENANCE
-        trained_in = json.loads(provenance_file.read_text()).get("run_id") if provenance_file.is_file() else None
-        metrics: list[tuple[str, float, int]] = []
-        table: dict[str, list] = {"sweep": [], "k": [], "position": [], "acceptance": []}  # MLflow appends each sweep
-        for k, rows in results[algorithm]["by_k"].items():
-            overall = rows["overall"]
-            metrics += [  # these against K
-                (f"{prefix}/acceptance_length", overall["acceptance_length"], int(k)),
-                (f"{prefix}/tokens_per_s", overall["tokens_per_s"], int(k)),
-                (f"{prefix}/speedup_vs_target", overall["speedup"] or 0.0, int(k)),
-            ]
-            for position, rate in enumerate(overall["acceptance_per_position"], start=1):  # one curve per K
-                metrics.append((f"{prefix}/acceptance_by_position_k{int(k)}", rate, position))
-                for column, value in zip(table, (sweep, int(k), position, rate), strict=True):
-                    table[column].append(value)
-        with results_run(uri, cfg, trained_in, f"eval-{algorithm}", work_dir) as run_id:
-            log_metrics(uri, run_id, metrics)
-            log_table(uri, run_id, table, f"{prefix}/acceptance_per_position.json")
-            set_tag(uri, run_id, "eval.recommended_k", results[algorithm]["recommended_k"])
-            if "recommendation" in results[algorithm]:
-                set_tag(uri, run_id, "eval.recommendation", results[algorithm]["recommendation"])
-            log_files(uri, run_id, [*plots, work_dir / "eval.json"], artifact_path=prefix)
-        runs[algorithm] = run_id
-    return runs

@@ -1,0 +1,103 @@
+"""The pure part of evaluation: one sweep's raw counts and timings (vllm_run's JSON) -> per-category metrics,
+their spread, and the verdict on K. No vLLM, no MLflow: tested with literal values (tests/test_eval.py)."""
+
+from __future__ import annotations
+
+from peagle_ray.export.speculators import Recommendation
+from peagle_ray.spec_counters import SpecStats
+
+
+def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
+    """Per category and "overall" metrics of one speculative run against the target-only run.
+
+    e.g. a category with counters {drafts 10, accepted 14, per position [8, 5, 1]} -> acceptance [0.8, 0.5,
+    0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s;
+    step_cost_vs_target = the timing prompts' AL / speedup (e.g. AL 2.5 at 2.0x -> 1.25).
+    """
+    rows, parts = {}, []
+    for category, acceptance in run["acceptance"].items():
+        t, b = run["timing"][category], baseline["timing"][category]
+        expected = baseline["acceptance"][category]["tokens"]
+        wrong = sum(x != y for x, y in zip(acceptance["tokens"], expected, strict=True))  # prompts that differ
+        part = (
+            SpecStats(**acceptance["counters"]),
+            t["tokens"],
+            t["seconds"],
+            SpecStats(**t["counters"]),
+            b["tokens"],
+            b["seconds"],
+            wrong,
+            prompt_speedups(t.get("per_prompt", []), b.get("per_prompt", [])),
+        )
+        rows[category] = _row(k, *part)
+        parts.append(part)
+    rows["overall"] = _row(k, *(sum(column[1:], column[0]) for column in zip(*parts, strict=True)))  # each field summed
+    return rows
+
+
+def prompt_speedups(timed: list[list[float]], baseline: list[list[float]]) -> list[float]:
+    """Per timed prompt, its tokens/s over the target alone's on the same prompt ([tokens, seconds] pairs).
+
+    e.g. [[10, 1.0], [10, 2.0]] against [[10, 2.0], [10, 2.0]] -> [2.0, 1.0]."""
+    return [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(timed, baseline, strict=True) if s and bn and bs]
+
+
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (None under 2 values). e.g. [2.0, 1.0] -> 0.5."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+
+def _row(
+    k,
+    counters: SpecStats,
+    tokens,
+    seconds,
+    timed_counters: SpecStats,
+    base_tokens,
+    base_seconds,
+    mismatches,
+    speedups: list[float],
+) -> dict:
+    tps = tokens / seconds if seconds else 0.0
+    base = base_tokens / base_seconds if base_seconds else 0.0
+    speedup = tps / base if base else None
+    return {
+        "k": k,
+        "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
+        "acceptance_length": round(counters.acceptance_length, 4),
+        "tokens_per_s": round(tps, 2),
+        "baseline_tokens_per_s": round(base, 2),
+        "speedup": round(speedup, 3) if speedup else None,
+        "speedup_se": None if (se := standard_error(speedups)) is None else round(se, 3),
+        "timed_prompts": len(speedups),
+        "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
+        "greedy_mismatches": mismatches,
+    }
+
+
+def fastest_k(by_k: dict[int, dict]) -> int:
+    """The K with the best measured overall tokens/s (ties: the smaller K)."""
+    return max(sorted(by_k), key=lambda k: by_k[k]["overall"]["tokens_per_s"])
+
+
+def recommend_k(by_k: dict[int, dict]) -> Recommendation:
+    """Draft at the fastest K only when it is measurably faster than the target alone: its overall speedup less
+    two standard errors of the per-prompt speedups (the speedup itself when under 2 prompts were timed) must
+    be above 1. Otherwise the recommendation is no drafting, and says why.
+
+    e.g. fastest K 4 at 1.30x +- 0.05 -> draft at K = 4; at 1.05x +- 0.04 -> no drafting (1.05 - 0.08 <= 1)."""
+    k = fastest_k(by_k)
+    overall = by_k[k]["overall"]
+    speedup, se = overall.get("speedup"), overall.get("speedup_se")
+    spread = (
+        f"+- {se:.2f} (standard error over {overall.get('timed_prompts')} timed prompts)"
+        if se
+        else "(spread unknown: fewer than 2 timed prompts)"
+    )
+    measured = f"the fastest K = {k} ran at {speedup or 0:.2f}x the target alone {spread}"
+    if speedup is not None and speedup - 2 * (se or 0.0) > 1.0:
+        return Recommendation(True, k, measured)
+    return Recommendation(False, k, f"no K is measurably faster than the target alone: {measured}")

@@ -14,8 +14,7 @@ def test_a_unit_test_may_not_start_a_subprocess_or_a_ray_cluster():
         subprocess.run([sys.executable, "-c", "pass"])
     assert subprocess.run(["git", "--version"], capture_output=True).returncode == 0  # provenance's git is allowed
     with pytest.raises(TierError, match=r"started a Ray cluster: mark it @pytest.mark.ray"):
-        ray.init(num_cpus=1)
-    assert not ray.is_initialized()
+        ray.init(num_cpus=1)  # refused before Ray is reached (a ray-tier test's cluster may be up already)
 
 
 @pytest.mark.slow

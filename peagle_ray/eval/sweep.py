@@ -8,9 +8,10 @@ Each configuration is one vLLM engine in its own process (`vllm_run`): the first
 a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
 split (the prompt part of each conversation), MT-Bench or HumanEval; eval.prompts_per_category per category.
 
-Per category and overall: k, acceptance_per_position, acceptance_length, tokens_per_s,
+Per category and overall (eval/metrics.py): k, acceptance_per_position, acceptance_length, tokens_per_s,
 baseline_tokens_per_s, speedup, greedy_mismatches; and step_cost_vs_target, what one decode step (draft +
-verify) costs in target-alone steps, measured on the timing prompts: speedup = their AL / step_cost.
+verify) costs in target-alone steps, measured on the timing prompts: speedup = their AL / step_cost. The
+table and the MLflow record: eval/report.py.
 """
 
 from __future__ import annotations

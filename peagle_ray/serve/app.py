@@ -24,7 +24,6 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ray import serve
 
@@ -249,8 +248,9 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | Non
     )  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
     # max_surge_percent 100: on a new drafter the old replica serves until its replacement is ready (swap)
-    deployment: Any = OpenAIEndpoint  # @serve.deployment made the class a Deployment (mypy keeps the class)
-    return deployment.options(ray_actor_options=options, max_surge_percent=100).bind(spec)
+    return OpenAIEndpoint.options(  # type: ignore[attr-defined]  # @serve.deployment made it a Deployment
+        ray_actor_options=options, max_surge_percent=100
+    ).bind(spec)
 
 
 def served_drafter(drafter: DrafterInfo | None, k: int | None) -> DrafterInfo | None:

@@ -25,10 +25,15 @@ import json
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peagle_ray import layout
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
+
+if TYPE_CHECKING:
+    from peagle_ray.eval.metrics import Row
+    from peagle_ray.export.speculators import Recommendation
 
 
 def registered_name(cfg: PeagleConfig) -> str:
@@ -140,7 +145,7 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
     return out
 
 
-def heldout_recommendation(row: dict):
+def heldout_recommendation(row: Row) -> Recommendation:
     """Serve a drafter at its K only where its held-out row (judge's) was measurably faster than the target
     alone (eval.sweep.recommend_k's rule: speedup less two standard errors above 1)."""
     from peagle_ray.eval.metrics import recommend_k
@@ -178,19 +183,20 @@ def run_adapt(cfg: PeagleConfig) -> dict:
             )
         parent_dir = download_version(uri, name, parent["version"], work / "parent")
         acfg = adapt_config(cfg, source, work, parent_dir, uri)
-        summary = prepare_and_capture(acfg, prepare=True, capture=False)["prepare"]
-        samples = summary["by_category"].get(TRAFFIC, {})  # adapt.replay's samples are not traffic
+        prepared = prepare_and_capture(acfg, prepare=True, capture=False).prepared
+        assert prepared is not None  # prepare=True
+        samples = prepared.by_category.get(TRAFFIC, {})  # adapt.replay's samples are not traffic
         if samples.get("train", 0) < cfg.adapt.min_requests or not samples.get("validation"):
             raise ConfigError(
                 f"too little recorded traffic in {source[len('traffic:') :]}: {samples.get('train', 0)} training "
                 f"and {samples.get('validation', 0)} held-out samples; adapt.min_requests is "
-                f"{cfg.adapt.min_requests} and at least one must be held out (bad rows: {summary['bad_rows']})"
+                f"{cfg.adapt.min_requests} and at least one must be held out (bad rows: {prepared.bad_rows})"
             )
         print(f"[adapt] from {name} v{parent['version']} on {samples} recorded samples", flush=True)
         prepare_and_capture(acfg, prepare=False, capture=True)
         trained = run_training(acfg)
         k = cfg.serving.num_speculative_tokens or read_drafter(parent_dir).num_speculative_tokens
-        new_dir = Path(trained["export_dir"])
+        new_dir = Path(trained.export_dir)
         set_drafter_k(new_dir, k)  # served at the K the parent is served at
         measured = judge(cfg, acfg, {"parent": parent_dir, "new": new_dir}, k)
         verdict = decide(cfg, measured["parent"], measured["new"])
@@ -199,7 +205,7 @@ def run_adapt(cfg: PeagleConfig) -> dict:
         report = {
             "registered_model": name,
             "parent_version": parent["version"],
-            "version": trained["registered_version"],
+            "version": trained.registered_version,
             "k": k,
             "samples": samples,
             "train_steps": cfg.adapt.max_steps,
@@ -207,8 +213,8 @@ def run_adapt(cfg: PeagleConfig) -> dict:
             **verdict,
             "drafts": serving.draft,  # served with its drafter (False: the target alone), and why
             "recommendation": serving.reason,
-            "export_dir": trained["export_dir"],
-            "run_id": trained["run_id"],
+            "export_dir": trained.export_dir,
+            "run_id": trained.run_id,
         }
         _record(uri, cfg, report)
         report["swapped"] = _promote(uri, cfg, report, (parent_dir, f"{name}/{parent['version']}"))

@@ -12,7 +12,7 @@ import json
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from peagle_ray import stopping
@@ -55,14 +55,15 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from peagle_ray.capture.run import prepare_and_capture
 
     prepare = args.action == "prepare" or getattr(args, "prepare", False)
-    print(json.dumps(prepare_and_capture(_config(args), prepare=prepare, capture=args.action == "capture"), indent=2))
+    made = prepare_and_capture(_config(args), prepare=prepare, capture=args.action == "capture")
+    print(json.dumps(made.summary(), indent=2))
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from peagle_ray.train.job import run_training
 
-    print(json.dumps(run_training(_config(args)), indent=2))
+    print(json.dumps(asdict(run_training(_config(args))), indent=2))
     return 0
 
 

@@ -36,3 +36,31 @@ def test_layer_statistics_find_the_massive_channel():
     first, second = layer_statistics([{"aux_hidden": aux}], [3, 7], top=2)
     assert first["layer"] == 3 and first["max_abs"] == 1.0 and first["max_over_median_rms"] == 1.0
     assert second["top_channels"][0] == [1, 300.0] and second["max_over_median_rms"] == 300.0
+
+
+def test_attention_on_anchor_of_a_drafter_that_cannot_tell_keys_apart_is_uniform():
+    from peagle_ray.bench.features import attention_on_anchor
+    from peagle_ray.drafter.model import Drafter, DrafterArch
+    from peagle_ray.train.elements import TrainSequence
+
+    arch = DrafterArch(
+        algorithm="peagle", num_depths=3, num_layers=1, num_aux=3, draft_vocab_size=16, mask_token_id=15,
+        hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4, vocab_size=16,
+        rope_theta=10000.0, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    drafter = Drafter(arch)
+    with torch.no_grad():
+        drafter.layers[0].self_attn.q_proj.weight.zero_()  # every score 0: weight 1 / visible keys
+    seq = TrainSequence(
+        tokens=torch.tensor([1, 2, 3, 4]),
+        hidden=torch.randn(4, 24),
+        teacher_hidden=torch.randn(4, 8),
+        supervised=torch.ones(4, dtype=torch.bool),
+        doc_ids=torch.zeros(4, dtype=torch.long),
+    )
+    result = attention_on_anchor(drafter, seq, 3)
+    # depth 0 at anchor a sees a + 1 keys; depth 1 (anchors 0..2) a + 2; depth 2 (anchors 0, 1) a + 3
+    expected = [(1 + 1 / 2 + 1 / 3 + 1 / 4) / 4, (1 / 2 + 1 / 3 + 1 / 4) / 3, (1 / 3 + 1 / 4) / 2]
+    assert result["uniform"] == [round(e, 4) for e in expected]
+    assert result["mean"] == result["uniform"] and result["best_head"] == result["uniform"]

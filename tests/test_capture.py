@@ -16,9 +16,11 @@ from peagle_ray.capture.pipeline import (
     write_offline,
 )
 from peagle_ray.capture.reference import hf_hidden_states
-from peagle_ray.capture.run import prompt_writer, run_capture_offline, run_prepare, samples_to_capture, target_session
+from peagle_ray.capture.run import run_capture_offline, samples_to_capture, target_session
 from peagle_ray.config import build_config, with_values
-from peagle_ray.data.prepare import BadRows, TokenizedSample, read_prepared
+from peagle_ray.data import run as data_stage
+from peagle_ray.data.prepare import BadRows, PreparedData, TokenizedSample
+from peagle_ray.data.run import prompt_writer
 
 PROMPTS = [
     "Write a haiku about rain.",
@@ -91,9 +93,10 @@ def test_magpie_prompts_are_written_by_the_target_one_seed_each(session, tiny_ta
 
 def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
     cfg, s = session
-    summary = run_prepare(cfg, s)
-    samples = read_prepared(cfg.data.output_dir, "train") + read_prepared(cfg.data.output_dir, "validation")
-    assert sum(summary["samples"].values()) == len(samples) == len(PROMPTS) and summary["bad_rows"] == {}
+    prepared = data_stage.run(cfg, s.handle)
+    samples = prepared.all_records()
+    assert sum(prepared.samples.values()) == len(samples) == len(PROMPTS) and prepared.bad_rows == {}
+    assert PreparedData.read(cfg.data.output_dir) == prepared  # the artifact reads back from its files
     assert all(sum(x.loss_mask) > 0 for x in samples)
 
     bad = BadRows()
@@ -108,7 +111,7 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
     first = run_capture_offline(cfg, s)
     assert samples_to_capture(cfg) == ([], {x.sample_id for x in samples})  # what the demo checks before capture
     offline = {r["sample_id"]: r for r in read_offline(cfg.capture.output_dir)}
-    assert first["captured"] == len(PROMPTS) and bad.total() == 0
+    assert first.captured == len(PROMPTS) and bad.total() == 0
     assert online.keys() == offline.keys() == {x.sample_id for x in samples}
     for sample_id, record in online.items():
         for key in ("input_ids", "loss_mask"):
@@ -116,7 +119,7 @@ def test_prepare_then_online_and_offline_capture_agree_and_reruns_skip(session):
         for key in ("aux_hidden", "last_hidden"):  # vLLM may batch the two runs differently: float noise only
             torch.testing.assert_close(offline[sample_id][key], record[key], atol=1e-4, rtol=1e-4)
     again = run_capture_offline(cfg, s)
-    assert (again["captured"], again["skipped_done"]) == (0, len(PROMPTS))
+    assert (again.captured, again.skipped_done) == (0, len(PROMPTS))
 
 
 def test_each_rank_reads_an_equal_disjoint_share_of_a_split(tmp_path):

@@ -10,6 +10,7 @@ from peagle_ray.data.prepare import (
     BadRow,
     BadRows,
     Conversation,
+    PreparedData,
     finish_sample,
     prepare_samples,
     read_prepared,
@@ -127,9 +128,11 @@ def test_regenerated_turns_are_the_supervised_tokens(tokenizer, tmp_path):
     assert samples[0].input_ids[-3:] == [7, 8, 9] and samples[0].loss_mask[-4:] == [0, 1, 1, 1]
     assert "old" not in tokenizer.decode(samples[1].input_ids)  # the old answer was replaced
     assert bad.counts == Counter(no_assistant_turn=1)
-    summary = write_prepared(samples, tmp_path, len(tokenizer) + 7, bad)
-    assert summary["samples"] == {"train": 2} and summary["bad_rows"] == {"no_assistant_turn": 1}
-    assert summary["by_category"] == {samples[0].category: {"train": 2}}
+    prepared = write_prepared(samples, tmp_path, len(tokenizer) + 7, bad)
+    assert prepared.samples == {"train": 2} and prepared.bad_rows == {"no_assistant_turn": 1}
+    assert prepared.by_category == {samples[0].category: {"train": 2}}
+    assert PreparedData.read(tmp_path) == prepared and PreparedData.exists(tmp_path)
+    assert not PreparedData.exists(tmp_path / "elsewhere")
     counts = read_token_counts(tmp_path)
     assert counts[7] == 1 and counts[5] == 1 and int(counts.sum()) == 5
     assert [s.sample_id for s in read_prepared(tmp_path, "train")] == ["a", "b"]

@@ -8,6 +8,7 @@ import time
 from contextlib import nullcontext
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.capture.pipeline import read_manifest
@@ -71,7 +72,7 @@ def workdir(tmp_path_factory, tiny_target, ray_local):
 
 
 def history(summary, name):
-    return [m.step for m in MlflowClient(summary["tracking_uri"]).get_metric_history(summary["run_id"], name)]
+    return [m.step for m in MlflowClient(summary.tracking_uri).get_metric_history(summary.run_id, name)]
 
 
 def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
@@ -119,10 +120,10 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
     assert steps["train/loss"] == [0, 1, 2, 3]
     assert all(steps[f"train/acc_depth_{d}"] == [0, 1, 2, 3] for d in range(K))
     assert all(steps[name] == [1, 3] for name in metrics if name.startswith("val/"))
-    client = MlflowClient(first["tracking_uri"])
-    artifacts = {a.path for a in client.list_artifacts(first["run_id"])}
+    client = MlflowClient(first.tracking_uri)
+    artifacts = {a.path for a in client.list_artifacts(first.run_id)}
     assert {"config.yaml", "provenance.json", "acceptance.png", "drafter"} <= artifacts
-    run = client.get_run(first["run_id"])
+    run = client.get_run(first.run_id)
     assert run.data.params["drafter.num_depths"] == str(K)
     assert run.info.status == "FINISHED" and run.info.end_time >= run.info.start_time
     [dataset] = run.inputs.dataset_inputs
@@ -135,17 +136,17 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
 
     # re-running the same run name resumes at the next step, in the same MLflow run
     second = run_training(config(workdir, tiny_target, run_name="e2e", max_steps=6))
-    assert second["run_id"] == first["run_id"]
+    assert second.run_id == first.run_id
     assert history(second, "train/loss") == [0, 1, 2, 3, 4, 5]
     assert history(second, "val/acceptance_length") == [1, 3, 5]
-    assert client.get_run(first["run_id"]).info.status == "FINISHED"
+    assert client.get_run(first.run_id).info.status == "FINISHED"
 
-    exported = export_checkpoint(second["checkpoint"], workdir / "standalone-export")
+    exported = export_checkpoint(second.checkpoint, workdir / "standalone-export")
     assert (exported / "model.safetensors").is_file()
 
     # what a user sees in the MLflow UI (headless Chromium against a server on the same store)
     with local_mlflow_server(workdir, free_port()) as ui:
-        page = f"{ui}/#/experiments/{run.info.experiment_id}/runs/{first['run_id']}"
+        page = f"{ui}/#/experiments/{run.info.experiment_id}/runs/{first.run_id}"
         overview = render_until(page, "Finished", dataset.dataset.digest)
         assert "Finished" in overview and dataset.dataset.digest in overview
         charts = render_until(page + "/model-metrics", ">val</div>", ">train</div>", "js-plotly-plot")
@@ -220,23 +221,35 @@ class CountingShard:
         yield from self.rows
 
 
-def test_later_epochs_replay_the_first_instead_of_capturing_again():
+def test_later_epochs_replay_the_first_instead_of_capturing_again(capsys):
     import numpy as np
 
     from peagle_ray.train.worker import cycle_records
 
-    rows = [
-        {"input_ids": np.arange(i + 3), "aux_hidden": np.full((i + 3, 4), i, np.float32), "sample_id": f"s{i}"}
-        for i in range(5)
-    ]
+    def row(i: int, error: str = "") -> dict:  # as capture's Ray Data rows come (numpy, an error column)
+        n = 0 if error else i + 3
+        return {
+            "sample_id": f"s{i}",
+            "split": "train",
+            "input_ids": np.arange(i + 3),
+            "loss_mask": np.ones(i + 3, np.int8),
+            "aux_hidden": np.full((n, 4), i, np.float32),
+            "last_hidden": np.full((n, 2), -i, np.float32),
+            "error": error,
+        }
+
+    rows = [row(0), row(1), row(2, "non_finite"), row(3), row(4), row(5)]
+    good = [r for r in rows if not r["error"]]
     for limit, streams in ((1 << 20, 1), (200, 3), (0, 3)):  # cached / first epoch outgrows the cache / off
         shard = CountingShard(rows)
         out = list(cycle_records(shard, 3, limit))
-        assert shard.streams == streams and len(out) == 15, limit
-        for got, want in zip(out, rows * 3, strict=True):
-            assert got.keys() == want.keys() and got["sample_id"] == want["sample_id"]
-            assert np.array_equal(got["input_ids"], want["input_ids"])
-            assert np.array_equal(got["aux_hidden"], want["aux_hidden"]) and got["aux_hidden"].dtype == np.float32
+        assert shard.streams == streams and len(out) == 15, limit  # the error row skipped in every epoch
+        for got, want in zip(out, good * 3, strict=True):
+            assert got["sample_id"] == want["sample_id"] and got["split"] == "train"
+            assert torch.equal(got["input_ids"], torch.from_numpy(want["input_ids"]))
+            assert torch.equal(got["aux_hidden"], torch.from_numpy(want["aux_hidden"]))
+            assert got["aux_hidden"].dtype == torch.float32 and got["loss_mask"].dtype == torch.int8
+    assert "epoch 0: capture bad rows: 1 skipped (non_finite 1)" in capsys.readouterr().out
     shard = CountingShard(rows)
     assert len(list(itertools.islice(cycle_records(shard, 3, 1 << 20), 7))) == 7 and shard.streams == 1
 

@@ -213,7 +213,7 @@ def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: l
         "suffix": ({"method": "suffix", "num_speculative_tokens": k}, warm),
     }
     baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
-    rows = {"target": summarize(0, baseline, baseline)["overall"]}
+    rows: dict[str, dict] = {"target": dict(summarize(0, baseline, baseline)["overall"])}  # rows and notes
     for name, (spec, warmup) in decoders.items():
         if name == "suffix" and not suffix_available():
             rows[name] = {
@@ -228,7 +228,7 @@ def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: l
                 raise
             rows[name] = {"failed": str(err)}
             continue
-        rows[name] = summarize(k, baseline, run)["overall"]
+        rows[name] = dict(summarize(k, baseline, run)["overall"])
     unadapted = rows["unadapted"]["tokens_per_s"]
     rows["adapted"]["speedup_vs_unadapted"] = (
         round(rows["adapted"]["tokens_per_s"] / unadapted, 3) if unadapted else None

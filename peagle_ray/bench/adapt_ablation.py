@@ -26,12 +26,15 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_overrides, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
+
+if TYPE_CHECKING:
+    from peagle_ray.capture.pipeline import Record
 
 VARIANTS = {
     "base": [],
@@ -61,7 +64,7 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, float]]:
     return config, own
 
 
-def training_mix(traffic: list[dict], general: list[dict], keep: float, replay: float, seed: int) -> list[dict]:
+def training_mix(traffic: list[Record], general: list[Record], keep: float, replay: float, seed: int) -> list[Record]:
     """The first `keep` share of the traffic records, plus general records so they are a `replay` share of
     the result, shuffled once with `seed`. e.g. 8 traffic, keep 0.5, replay 0.5 -> 4 traffic + 4 general."""
     kept = traffic[: max(1, round(len(traffic) * keep))]
@@ -139,7 +142,7 @@ def run(
     return result
 
 
-def parent_row(cfg: PeagleConfig, heldout: list[dict], general: list[dict]) -> dict:
+def parent_row(cfg: PeagleConfig, heldout: list[Record], general: list[Record]) -> dict:
     """The parent's own held-out traffic and general AL (the variants' step 0)."""
     from peagle_ray.bench.learning import initial_drafter
     from peagle_ray.train.worker import validate

@@ -15,10 +15,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env, use_local_cores
+
+if TYPE_CHECKING:
+    from peagle_ray.capture.pipeline import Record
 
 
 def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[list[int]]:
@@ -51,7 +54,7 @@ def _prefill_child(args_file: str, sequences_file: str) -> None:
     print("RESULT " + json.dumps({"seconds": time.perf_counter() - start}))
 
 
-def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) -> tuple[list[dict], float, Any]:
+def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) -> tuple[list[Record], float, Any]:
     """Records, seconds and bad rows of one capture through `replicas` target replicas (after a warm-up)."""
     from peagle_ray.capture.pipeline import capture_dataset, iter_records
     from peagle_ray.capture.run import target_session

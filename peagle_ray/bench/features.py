@@ -1,7 +1,7 @@
 """`peagle-ray bench features`: does the drafter draw on the target's hidden states, or mostly on tokens?
 
 On the general capture's validation split (capture.output_dir), for a trained drafter (--peagle DIR, default
-the config's own export), three measurements side by side:
+the config's own export), four measurements side by side:
 
   features   the drafter with the target's aux hidden states as captured, zeroed, and shuffled across the
              positions of each record: per-depth accuracy (argmax agreement with the target over the draft
@@ -11,11 +11,14 @@ the config's own export), three measurements side by side:
              the token fed at a position (x_{a+1}) to the target's most frequent choice d + 1 tokens later
              (depth 0: a bigram table; depth d: a skip-gram), the most frequent choice overall for a token
              never seen;
+  attention  per query depth, the last layer's attention weight on the element's anchor (the newest real
+             position), against a uniform spread over the keys it sees (attention_on_anchor);
   layers     per aux layer of the captured features: max |h| and the channels holding it, the median RMS
              of a position, and their ratio (massive activations: a few channels hundreds of times the rest).
 
     {"drafter", "records": {"train", "validation"}, "features": {"captured"|"zeroed"|"shuffled":
      {"acc_by_depth", "acceptance_per_position", "acceptance_length"}}, "counts": {"acc_by_depth"},
+     "attention_on_anchor": {"mean", "best_head", "uniform"} (per depth),
      "layers": [{"layer", "max_abs", "top_channels", "median_rms", "max_over_median_rms"}]}
 """
 
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peagle_ray.config import PeagleConfig, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, acceptance_metric
+
+if TYPE_CHECKING:
+    from peagle_ray.capture.pipeline import Record
 
 FEATURES = ("captured", "zeroed", "shuffled")
 
@@ -78,7 +84,7 @@ def teacher_labels(teacher, seq) -> torch.Tensor:
         return (teacher.normed(seq.teacher_hidden) @ teacher.head.T).argmax(-1)
 
 
-def count_baseline(teacher, train: list[dict], validation: list[dict], depths: int) -> list[float]:
+def count_baseline(teacher, train: list[Record], validation: list[Record], depths: int) -> list[float]:
     """Per depth: the skip-gram table's accuracy on the validation elements, built from the train records."""
     from peagle_ray.train.worker import to_sequence
 
@@ -100,20 +106,20 @@ def count_baseline(teacher, train: list[dict], validation: list[dict], depths: i
     return accuracy
 
 
-def with_features(records: list[dict], how: str, seed: int) -> list[dict]:
+def with_features(records: list[Record], how: str, seed: int) -> list[Record]:
     """The records with their aux hidden states as captured, zeroed, or shuffled across positions."""
     if how == "captured":
         return records
     generator = torch.Generator().manual_seed(seed)
-    out = []
+    out: list[Record] = []
     for record in records:
-        aux = torch.as_tensor(record["aux_hidden"]).float()
+        aux = record["aux_hidden"].float()
         aux = torch.zeros_like(aux) if how == "zeroed" else aux[torch.randperm(aux.shape[0], generator=generator)]
         out.append({**record, "aux_hidden": aux})
     return out
 
 
-def layer_statistics(records: list[dict], layer_ids: list[int], top: int = 3) -> list[dict]:
+def layer_statistics(records: list[Record], layer_ids: list[int], top: int = 3) -> list[dict]:
     """Per aux layer over the records: max |h|, the `top` channels by max |h|, the median RMS of a position."""
     aux = torch.cat([torch.as_tensor(r["aux_hidden"]).float() for r in records])
     rows = []
@@ -133,16 +139,78 @@ def layer_statistics(records: list[dict], layer_ids: list[int], top: int = 3) ->
     return rows
 
 
+def attention_on_anchor(drafter, seq, depths: int) -> dict[str, list[float]]:
+    """Per query depth d: the last layer's attention weight (mean over heads and elements) on the element's
+    anchor (a, 0), the newest real position it sees, beside what a uniform spread over its visible keys
+    would give. A depth-d >= 1 element's own input is constant (the mask token and mask_hidden), so all it
+    knows of the text comes through attention: a weight near uniform means it cannot find the last token.
+
+    "best_head" is the head with the most weight on the anchor, per depth."""
+    from peagle_ray.drafter.elements import attention_mask
+    from peagle_ray.drafter.model import rotate
+    from peagle_ray.train.elements import cod_sample
+
+    every = torch.ones_like(seq.supervised)
+    elements = cod_sample(every, seq.doc_ids, depths, 1.0, 1.0, torch.Generator().manual_seed(0))
+    attn = drafter.layers[-1].self_attn
+    seen: dict[str, torch.Tensor] = {}
+    hook = attn.register_forward_pre_hook(lambda _m, args: seen.update(x=args[0], positions=args[1]))
+    try:
+        with torch.no_grad():
+            drafter.forward_elements(
+                seq.tokens,
+                seq.hidden,
+                elements,
+                lambda r, c: attention_mask(elements.select(r), elements.select(c), seq.doc_ids),
+            )
+    finally:
+        hook.remove()
+    a = attn.arch
+    with torch.no_grad():
+        q = rotate(attn.q_proj(seen["x"]).view(-1, a.num_heads, a.head_dim), seen["positions"], a.rope_theta)
+        k = rotate(attn.k_proj(seen["x"]).view(-1, a.num_kv_heads, a.head_dim), seen["positions"], a.rope_theta)
+        k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
+        allowed = attention_mask(elements, elements, seq.doc_ids)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.head_dim)
+        weights = scores.masked_fill(~allowed, -math.inf).softmax(-1)  # (heads, E, E)
+    index_of = {(int(an), int(d)): i for i, (an, d) in enumerate(zip(elements.anchor, elements.depth, strict=True))}
+    anchor_key = torch.tensor([index_of[(int(an), 0)] for an in elements.anchor])
+    on_anchor = weights[:, torch.arange(len(elements)), anchor_key]  # (heads, E)
+    uniform = 1.0 / allowed.sum(-1).float()
+    result: dict[str, list[float]] = {"mean": [], "best_head": [], "uniform": []}
+    for d in range(depths):
+        rows = elements.depth == d
+        if not rows.any():
+            continue
+        per_head = on_anchor[:, rows].mean(-1)
+        result["mean"].append(round(float(per_head.mean()), 4))
+        result["best_head"].append(round(float(per_head.max()), 4))
+        result["uniform"].append(round(float(uniform[rows].mean()), 4))
+    return result
+
+
+def _mean_over_records(rows: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Element-wise mean of attention_on_anchor's lists over records (depths a record lacks are skipped)."""
+    out: dict[str, list[float]] = {}
+    for name in rows[0] if rows else ():
+        depths = max(len(r[name]) for r in rows)
+        out[name] = [
+            round(sum(v) / len(v), 4) for d in range(depths) if (v := [r[name][d] for r in rows if d < len(r[name])])
+        ]
+    return out
+
+
 def run(
     cfg: PeagleConfig,
     drafters: dict[str, Path],
     validation_records: int = 16,
+    attention_records: int = 4,
     progress=print,
 ) -> dict:
     """The module docstring's result for the P-EAGLE drafter in `drafters` (--peagle, or the config's export)."""
     from peagle_ray.bench.learning import initial_drafter, split_records
     from peagle_ray.target import read_target_info, resolve_target_path
-    from peagle_ray.train.worker import validate
+    from peagle_ray.train.worker import to_sequence, validate
 
     if "peagle" not in drafters:
         raise FileNotFoundError("bench features needs a P-EAGLE drafter: pass --peagle DIR or train one")
@@ -167,6 +235,10 @@ def run(
             "acceptance_length": round(val[VAL_ACCEPTANCE_LENGTH], 4),
         }
         progress(f"[features] {how}: {result['features'][how]}")
+    result["attention_on_anchor"] = _mean_over_records(
+        [attention_on_anchor(drafter, to_sequence(r), depths) for r in validation[:attention_records]]
+    )
+    progress(f"[features] attention on the anchor: {result['attention_on_anchor']}")
     result["counts"] = {"acc_by_depth": count_baseline(teacher, train, validation, depths)}
     progress(f"[features] skip-gram counts: {result['counts']}")
     layer_ids = read_target_info(resolve_target_path(cfg)).aux_layer_ids(cfg.capture.aux_layer_ids)

@@ -25,17 +25,20 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peagle_ray.config import PeagleConfig, with_overrides, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, acceptance_metric, bench_dir, mlflow_dir
 
+if TYPE_CHECKING:
+    from peagle_ray.capture.pipeline import Record
+
 Progress = Callable[[str], None]
 
 
-def split_records(cfg: PeagleConfig, max_validation: int | None) -> tuple[list[dict], list[dict]]:
+def split_records(cfg: PeagleConfig, max_validation: int | None) -> tuple[list[Record], list[Record]]:
     """(train, validation) records from the offline shards; refuses an empty split naming the field."""
     from peagle_ray.capture.pipeline import read_offline
 
@@ -55,7 +58,6 @@ def split_records(cfg: PeagleConfig, max_validation: int | None) -> tuple[list[d
 def initial_drafter(cfg: PeagleConfig):
     """(drafter, teacher) as the training job builds them before its first step (training.init_from applied),
     after check_inputs."""
-    from peagle_ray.data.prepare import read_token_counts
     from peagle_ray.drafter.build import drafter_for_target
     from peagle_ray.train.job import check_inputs
 
@@ -63,7 +65,7 @@ def initial_drafter(cfg: PeagleConfig):
     drafter, teacher, _ = drafter_for_target(
         inputs.info.path,
         cfg.drafter,
-        read_token_counts(Path(cfg.data.output_dir)),
+        inputs.data.token_counts(),
         len(inputs.aux_layer_ids),
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
@@ -72,7 +74,7 @@ def initial_drafter(cfg: PeagleConfig):
     return drafter, teacher
 
 
-def validation_row(cfg: PeagleConfig, drafter, teacher, validation: list[dict]) -> dict:
+def validation_row(cfg: PeagleConfig, drafter, teacher, validation: list[Record]) -> dict:
     """The job's validation of `drafter` on `validation` (seeded with training.seed), as a benchmark row's
     val_acceptance_length, val_acceptance_per_position and val_acc_by_depth."""
     from peagle_ray.train.worker import validate
@@ -89,8 +91,8 @@ def validation_row(cfg: PeagleConfig, drafter, teacher, validation: list[dict]) 
 
 def train_and_measure(
     cfg: PeagleConfig,
-    train: list[dict],
-    validation: list[dict],
+    train: list[Record],
+    validation: list[Record],
     budgets: list[int],
     measure: Callable[[object, object, int], dict] | None = None,
     progress: Progress = print,

@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from peagle_ray.bench.learning import (
 )
 from peagle_ray.config import PeagleConfig, with_values
 from peagle_ray.layout import bench_dir, mlflow_dir
+
+if TYPE_CHECKING:
+    from peagle_ray.capture.pipeline import Record
 
 PEER_INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0"
 SUITES = ("mt-bench", "humaneval", "validation")
@@ -100,7 +103,7 @@ def reference_loss(model, seq, cfg: PeagleConfig):
     return loss, metrics
 
 
-def reference_train(model, train: list[dict], cfg: PeagleConfig, progress: Progress = print) -> dict:
+def reference_train(model, train: list[Record], cfg: PeagleConfig, progress: Progress = print) -> dict:
     """cfg.training.max_steps steps of the reference on `train`, in train_and_measure's order and batches, with
     the job's optimizer and schedule (make_optimizer) and gradient clip. Their COD draws from torch's global
     generator, seeded with training.seed + 1 (ours: a generator with that seed)."""
@@ -234,7 +237,9 @@ def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int
     prompts, timing = suite_prompts(cfg, target, suites, per_suite, timed)
     k = cfg.drafter.num_depths
     baseline = run_engine(cfg, target, None, prompts, timing)
-    result = {s: {"target": summarize(0, of_suite(baseline, s), of_suite(baseline, s))["overall"]} for s in suites}
+    result: dict[str, dict[str, dict]] = {  # per suite: decoder -> its row, or a note why it did not run
+        s: {"target": dict(summarize(0, of_suite(baseline, s), of_suite(baseline, s))["overall"])} for s in suites
+    }
     for name, spec in decoders(exports, k, ngram_k).items():
         if name == "suffix" and not suffix_available():
             for s in suites:
@@ -252,9 +257,8 @@ def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int
                 result[s][name] = {"failed": str(err)}
             continue
         for s in suites:
-            result[s][name] = summarize(spec["num_speculative_tokens"], of_suite(baseline, s), of_suite(run, s))[
-                "overall"
-            ]
+            rows = summarize(spec["num_speculative_tokens"], of_suite(baseline, s), of_suite(run, s))
+            result[s][name] = dict(rows["overall"])
     return result
 
 

@@ -14,7 +14,9 @@ from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.target import read_target_info
 from peagle_ray.train.elements import TrainSequence
 
-# SmolLM2-135M-Instruct (config.json of the embedded target)
+# SmolLM2-135M-Instruct's shape (from the embedded target's config.json), kept here so the shape benchmarks
+# (train-memory, draft-latency, mask) run without converting the target first; `bench draft-latency --target
+# DIR` reads a prepared target's config.json instead (bench_arch(target=...)).
 SMOLLM2_SHAPE: dict[str, Any] = dict(
     hidden_size=576,
     intermediate_size=1536,

@@ -13,7 +13,6 @@ MLflow.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -41,23 +40,23 @@ PEER_TRAINER = {
 
 def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int, seq_len: int, seed: int = 0) -> None:
     """work/data (prepared-data summary + token counts) and work/hidden (offline shards + manifest)."""
-    from peagle_ray.capture.pipeline import write_offline
-    from peagle_ray.data.prepare import SUMMARY, TOKEN_COUNTS
+    from peagle_ray.capture.pipeline import Record, write_offline
+    from peagle_ray.data.prepare import TOKEN_COUNTS, PreparedData
 
     info = read_target_info(target_dir)
     g = torch.Generator().manual_seed(seed)
 
-    def record(i: int, split: str, length: int) -> dict:
+    def record(i: int, split: str, length: int) -> Record:
         loss_mask = torch.ones(length, dtype=torch.int8)
         loss_mask[:2] = 0
-        return {
-            "sample_id": f"bench-{i}",
-            "split": split,
-            "input_ids": torch.randint(0, info.vocab_size, (length,), generator=g),
-            "loss_mask": loss_mask,
-            "aux_hidden": torch.randn(length, aux_layers * info.hidden_size, generator=g),
-            "last_hidden": torch.randn(length, info.hidden_size, generator=g),
-        }
+        return Record(
+            sample_id=f"bench-{i}",
+            split=split,
+            input_ids=torch.randint(0, info.vocab_size, (length,), generator=g),
+            loss_mask=loss_mask,
+            aux_hidden=torch.randn(length, aux_layers * info.hidden_size, generator=g),
+            last_hidden=torch.randn(length, info.hidden_size, generator=g),
+        )
 
     rows = [record(i, "train", seq_len) for i in range(records)] + [record(records, "validation", 128)]
     write_offline(rows, work / "hidden", shard_size=8)
@@ -65,12 +64,8 @@ def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int
     data.mkdir(parents=True, exist_ok=True)
     counts = torch.ones(info.vocab_size, dtype=torch.long)  # uniform: the draft vocabulary is any top-DV
     save_file({"counts": counts}, str(data / TOKEN_COUNTS))
-    tokens = records * seq_len + 128
-    (data / SUMMARY).write_text(
-        json.dumps(
-            {"samples": {"train": records, "validation": 1}, "tokens": tokens, "bad_rows": {}, "bad_row_examples": {}}
-        )
-    )
+    samples = {"train": records, "validation": 1}
+    PreparedData(data, samples, {"bench": samples}, records * seq_len + 128, {}, {}).write_summary()
 
 
 def run(
@@ -140,7 +135,7 @@ def one_worker_count(cfg: PeagleConfig, work: Path, workers: int, cpus_per_worke
     started = time.perf_counter()
     summary = run_training(run_cfg)
     wall = time.perf_counter() - started
-    history = lambda name: [v for _, v in metric_history(uri, summary["run_id"], name)]  # noqa: E731
+    history = lambda name: [v for _, v in metric_history(uri, summary.run_id, name)]  # noqa: E731
     speed = history("train/tokens_per_s")[1:] or history("train/tokens_per_s")  # the first step warms up
     tokens_per_s = statistics.median(speed)
     return {

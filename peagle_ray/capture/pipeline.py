@@ -2,8 +2,8 @@
 
 Shape legend: T tokens, H target hidden size, A = n_aux * H.
 
-Record (one per conversation): sample_id, split, input_ids (T,) int64, loss_mask (T,) int8, aux_hidden (T, A) and
-last_hidden (T, H) float32. Records come out of an actor pool (CaptureStage) that sends each batch's
+Record (one per conversation, the `Record` type below): sample_id, split, input_ids (T,) int64, loss_mask (T,)
+int8, aux_hidden (T, A) and last_hidden (T, H) float32. Records come out of an actor pool (CaptureStage) that sends each batch's
 conversations to the target concurrently, so vLLM batches them. A capture that fails validation (token
 ids differ from the request, NaN/Inf, wrong shape) stays in the stream as an error row and is counted and
 dropped by the consumer, so nothing stops the run.
@@ -18,8 +18,9 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -31,6 +32,34 @@ from peagle_ray.data.prepare import BadRows, TokenizedSample
 
 CAPTURE_ERRORS = ("token_mismatch", "non_finite", "bad_shape", "capture_failed")
 MANIFEST = "manifest.json"
+
+
+class Record(TypedDict):
+    """One captured conversation: what capture yields (online) or writes to shards (offline), and what the
+    training workers, validation and the benchmarks read."""
+
+    sample_id: str
+    split: str  # "train" or "validation"
+    input_ids: torch.Tensor  # (T,) int64
+    loss_mask: torch.Tensor  # (T,) int8: 1 where the token is the assistant's (trained on)
+    aux_hidden: torch.Tensor  # (T, A) float32: the target's aux-layer hidden states, concatenated
+    last_hidden: torch.Tensor  # (T, H) float32: the target's last-layer (pre-norm) hidden state
+
+
+SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # per record, saved as "<i>.<name>"
+RECORD_DTYPES = {"input_ids": np.int64, "loss_mask": np.int8, "aux_hidden": np.float32, "last_hidden": np.float32}
+
+
+def make_record(sample_id: str, split: str, tensor: Callable[[str], torch.Tensor], prefix: str = "") -> Record:
+    """A Record whose tensors are tensor(prefix + name), name in SHARD_TENSORS (a shard stores "<i>.<name>")."""
+    return Record(
+        sample_id=sample_id,
+        split=split,
+        input_ids=tensor(prefix + "input_ids"),
+        loss_mask=tensor(prefix + "loss_mask"),
+        aux_hidden=tensor(prefix + "aux_hidden"),
+        last_hidden=tensor(prefix + "last_hidden"),
+    )
 
 
 class BadCapture(Exception):
@@ -125,40 +154,48 @@ def capture_dataset(
     )
 
 
-def to_record(row: dict) -> dict[str, torch.Tensor | str]:
-    """A Ray Data row (numpy, possibly read-only) -> a record of torch tensors."""
-    tensor = lambda key, dtype: torch.from_numpy(np.array(row[key], dtype=dtype))  # noqa: E731  (copies)
-    return {
-        "sample_id": str(row["sample_id"]),
-        "split": str(row["split"]),
-        "input_ids": tensor("input_ids", np.int64),
-        "loss_mask": tensor("loss_mask", np.int8),
-        "aux_hidden": tensor("aux_hidden", np.float32),
-        "last_hidden": tensor("last_hidden", np.float32),
-    }
+def to_record(row: dict) -> Record:
+    """A Ray Data row (numpy, possibly read-only) -> a record of torch tensors (copies)."""
+    return make_record(
+        str(row["sample_id"]), str(row["split"]), lambda k: torch.from_numpy(np.array(row[k], dtype=RECORD_DTYPES[k]))
+    )
 
 
-def iter_records(rows: Iterable[dict], bad: BadRows, total: int | None = None, desc: str = "capture") -> Iterator[dict]:
-    """Valid records from captured rows; error rows are counted in `bad` under their reason."""
+def valid_records(
+    rows: Iterable[dict], bad: BadRows, seen: Callable[[Record | None], None] | None = None
+) -> Iterator[Record]:
+    """Records from captured rows (Ray Data's numpy rows); an error row is counted in `bad` under its reason
+    and skipped. `seen` is called once per row, with its record or None."""
+    for row in rows:
+        record = None if row.get("error") else to_record(row)
+        if record is None:
+            bad.add(str(row["error"]), str(row["sample_id"]))
+        if seen is not None:
+            seen(record)
+        if record is not None:
+            yield record
+
+
+def iter_records(
+    rows: Iterable[dict], bad: BadRows, total: int | None = None, desc: str = "capture"
+) -> Iterator[Record]:
+    """valid_records with a progress bar (tokens/s, bad rows)."""
     from tqdm import tqdm
 
     start, tokens = time.monotonic(), 0
     with tqdm(total=total, desc=desc, unit="sample") as bar:
-        for row in rows:
+
+        def seen(record: Record | None) -> None:
+            nonlocal tokens
             bar.update(1)
-            if row["error"]:
-                bad.add(str(row["error"]), str(row["sample_id"]))
-                continue
-            record = to_record(row)
-            tokens += len(record["input_ids"])
-            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.0f}", bad=bad.total())
-            yield record
+            if record is not None:
+                tokens += len(record["input_ids"])
+                bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.0f}", bad=bad.total())
+
+        yield from valid_records(rows, bad, seen)
 
 
 # ---- offline shards ----------------------------------------------------------------------------------
-
-
-SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # per record, saved as "<i>.<name>"
 
 
 def read_manifest(out_dir: Path) -> dict:
@@ -170,10 +207,10 @@ def done_sample_ids(out_dir: Path) -> set[str]:
     return {sid for shard in read_manifest(out_dir)["shards"] for sid in shard["sample_ids"]}
 
 
-def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
+def _write_shard(out_dir: Path, records: list[Record], manifest: dict) -> None:
     index = len(manifest["shards"])
     name = f"shard-{index:05d}.safetensors"
-    tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records) for key in SHARD_TENSORS}
+    tensors = {f"{i}.{key}": r[key].contiguous() for i, r in enumerate(records) for key in SHARD_TENSORS}  # type: ignore[literal-required]
     save_file(tensors, str(out_dir / name))
     manifest["shards"].append(
         {"file": name, "sample_ids": [r["sample_id"] for r in records], "splits": [r["split"] for r in records]}
@@ -183,11 +220,12 @@ def _write_shard(out_dir: Path, records: list[dict], manifest: dict) -> None:
     os.replace(tmp, out_dir / MANIFEST)  # the manifest only ever names complete shards
 
 
-def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int) -> int:
+def write_offline(records: Iterable[Record], out_dir: Path, shard_size: int) -> int:
     """Append records to safetensors shards under `out_dir`, updating manifest.json after each shard."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out_dir)
-    pending, written = [], 0
+    pending: list[Record] = []
+    written = 0
     for record in records:
         pending.append(record)
         if len(pending) == shard_size:
@@ -199,16 +237,16 @@ def write_offline(records: Iterable[dict], out_dir: Path, shard_size: int) -> in
     return written
 
 
-def read_shard(item: dict) -> list[dict]:
+def read_shard(item: dict) -> list[Record]:
     """Records of one shard: item = {"path", "ids", "splits"} (a manifest entry with its full path)."""
     tensors = load_file(item["path"])
     return [
-        {"sample_id": sample_id, "split": split, **{k: tensors[f"{i}.{k}"] for k in SHARD_TENSORS}}
+        make_record(sample_id, split, tensors.__getitem__, f"{i}.")
         for i, (sample_id, split) in enumerate(zip(item["ids"], item["splits"], strict=True))
     ]
 
 
-def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iterator[dict]:
+def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iterator[Record]:
     """One rank's records of a split, read lazily shard by shard: every world-th record of the split, the same
     number on every rank (a remainder of fewer than `world` records is left out, so every rank's data ends
     at the same step)."""
@@ -223,10 +261,10 @@ def read_split(out_dir: Path, split: str, rank: int = 0, world: int = 1) -> Iter
     for file, group in itertools.groupby(mine, key=lambda entry: entry[0]):
         with safe_open(str(out_dir / file), framework="pt") as f:
             for _, i, sample_id in group:
-                yield {"sample_id": sample_id, "split": split, **{k: f.get_tensor(f"{i}.{k}") for k in SHARD_TENSORS}}
+                yield make_record(sample_id, split, f.get_tensor, f"{i}.")
 
 
-def read_offline(out_dir: Path) -> Iterator[dict]:
+def read_offline(out_dir: Path) -> Iterator[Record]:
     """The records of every shard, in the order they were written."""
     for shard in read_manifest(out_dir)["shards"]:
         yield from read_shard(

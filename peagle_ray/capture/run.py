@@ -1,32 +1,29 @@
-"""Library entry points behind `peagle-ray data prepare|capture` and jobs/prepare_data.py, jobs/capture.py.
+"""The capture stage behind `peagle-ray data capture` (jobs/capture.py), and the one target session that
+`data prepare|capture` share: the target is started in Ray Serve for the run and stopped afterwards (also on
+errors and Ctrl-C); data preparation (peagle_ray/data/run.py) borrows its handle to regenerate answers.
 
-The target is started in Ray Serve for the run and stopped afterwards (also on errors and Ctrl-C); one
-target session serves both response regeneration and capture.
+    prepare_and_capture(cfg, prepare, capture) -> DataArtifacts(prepared: PreparedData, captured: CaptureSummary)
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from peagle_ray.capture.pipeline import capture_dataset, done_sample_ids, iter_records, write_offline
 from peagle_ray.capture.target_server import start_target_server, stop_target_server
 from peagle_ray.cluster import ensure_ray
 from peagle_ray.config import PeagleConfig
-from peagle_ray.data.prepare import (
-    BadRows,
-    TokenizedSample,
-    prepare_samples,
-    read_prepared,
-    read_summary,
-    write_prepared,
-)
-from peagle_ray.data.sources import PromptWriter, check_sources, is_magpie, magpie_prefix, read_conversations
+from peagle_ray.data import run as data_stage
+from peagle_ray.data.prepare import BadRows, PreparedData, TokenizedSample
+from peagle_ray.data.sources import check_sources
 from peagle_ray.target import TargetInfo, read_target_info, resolve_target_path
+
+CAPTURE_SUMMARY = "capture_summary.json"
 
 
 @dataclass
@@ -49,90 +46,8 @@ def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
         stop_target_server()
 
 
-def regenerator(handle, cfg: PeagleConfig) -> Callable[[list[list[int]]], list[list[int] | None]]:
-    """Send a batch of prompts to the target at once (vLLM batches them); return the generated ids."""
-
-    asked = [0]  # requests sent so far: each has its own seed, data.seed + its number
-
-    def regenerate(prompts: list[list[int]]) -> list[list[int] | None]:
-        room = cfg.target.max_model_len  # prompt + answer must fit the engine's context
-        first, asked[0] = asked[0], asked[0] + len(prompts)
-        responses = [
-            handle.generate.remote(
-                p, min(cfg.data.max_new_tokens, room - len(p)), cfg.data.temperature, cfg.data.seed + first + i
-            )
-            for i, p in enumerate(prompts)
-        ]
-        return [_result_or_none(r) for r in responses]
-
-    return regenerate
-
-
-def prompt_writer(handle, cfg: PeagleConfig, tokenizer) -> PromptWriter:
-    """Magpie: the target completes its chat template's user-turn prefix, n requests at a time, each with its
-    own seed (data.seed + request number; a rerun matches only up to vLLM's batch-dependent numerics, which
-    move sampled text); returns (decoded prompt, stopped before the limit)."""
-    prefix, limit, asked = magpie_prefix(tokenizer), cfg.data.magpie_max_tokens, [0]
-
-    def write(n: int) -> list[tuple[str, bool] | None]:
-        seeds = [cfg.data.seed + asked[0] + i for i in range(n)]
-        asked[0] += n
-        responses = [handle.generate.remote(prefix, limit, cfg.data.magpie_temperature, s) for s in seeds]
-        written = [_result_or_none(r) for r in responses]
-        return [
-            None
-            if ids is None
-            else (
-                tokenizer.decode(ids, skip_special_tokens=True),
-                len(ids) < limit or ids[-1] == tokenizer.eos_token_id,
-            )
-            for ids in written
-        ]
-
-    return write
-
-
-def _result_or_none(response):
-    """A failed request is one bad row (counted by the caller), not a failed run."""
-    try:
-        return response.result()
-    except Exception as err:  # noqa: BLE001
-        print(f"[data] regeneration failed: {repr(err)[:200]}")
-        return None
-
-
-def run_prepare(cfg: PeagleConfig, session: TargetSession | None) -> dict:
-    """Conversations -> data.output_dir/{train,validation}.jsonl, token counts, summary.json."""
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
-    target = resolve_target_path(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=cfg.target.trust_remote_code)
-    bad = BadRows()
-    if cfg.data.regenerate and session is None:
-        raise ValueError("data.regenerate is true but no target session was given")
-    regenerate = regenerator(session.handle, cfg) if cfg.data.regenerate and session is not None else None
-    magpie = any(is_magpie(s) for s in cfg.data.sources)
-    writer = prompt_writer(session.handle, cfg, tokenizer) if magpie and session is not None else None
-    conversations = read_conversations(
-        cfg.data.sources, cfg.data.validation_fraction, bad, cfg.data.seed, writer, cfg.data.max_row_bytes
-    )
-    samples = prepare_samples(
-        conversations, tokenizer, cfg.data.max_length, bad, regenerate, cfg.data.regenerate_batch_size
-    )
-    with tqdm(desc="prepare", unit="sample") as bar:
-        summary = write_prepared(samples, Path(cfg.data.output_dir), read_target_info(target).vocab_size, bad, bar)
-    print(f"[data] {summary['samples']} samples, {summary['tokens']} tokens -> {cfg.data.output_dir}; {bad.report()}")
-    if bad.total():
-        print(f"[data] examples of skipped rows (all in summary.json):\n{bad.report_examples()}")
-    return summary
-
-
 def prepared_samples(cfg: PeagleConfig) -> list[TokenizedSample]:
-    out = Path(cfg.data.output_dir)
-    if read_summary(out) is None:
-        raise FileNotFoundError(f"no prepared data in data.output_dir = {out}; run `peagle-ray data prepare` first")
-    return read_prepared(out, "train") + read_prepared(out, "validation")
+    return PreparedData.read(cfg.data.output_dir).all_records()
 
 
 def samples_to_capture(cfg: PeagleConfig) -> tuple[list, set]:
@@ -141,7 +56,22 @@ def samples_to_capture(cfg: PeagleConfig) -> tuple[list, set]:
     return [s for s in prepared_samples(cfg) if s.sample_id not in done], done
 
 
-def run_capture_offline(cfg: PeagleConfig, session: TargetSession) -> dict:
+@dataclass(frozen=True)
+class CaptureSummary:
+    """The capture stage's artifact for offline capture: capture.output_dir's shards (listed in its manifest,
+    pipeline.read_manifest) and capture_summary.json, this object's fields but the directory."""
+
+    directory: Path
+    captured: int  # records written by this run
+    skipped_done: int  # samples already in the directory (a rerun captures only the rest)
+    bad_rows: dict[str, int]
+    seconds: float
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "directory"}
+
+
+def run_capture_offline(cfg: PeagleConfig, session: TargetSession) -> CaptureSummary:
     """Capture every prepared sample not yet in capture.output_dir into safetensors shards."""
     out = Path(cfg.capture.output_dir)
     todo, done = samples_to_capture(cfg)
@@ -152,29 +82,37 @@ def run_capture_offline(cfg: PeagleConfig, session: TargetSession) -> dict:
             todo, session.num_layers_captured, session.info.hidden_size, cfg.capture.batch_size, cfg.capture.num_actors
         )
         written = write_offline(iter_records(ds.iter_rows(), bad, total=len(todo)), out, cfg.capture.shard_size)
-    summary = {
-        "captured": written,
-        "skipped_done": len(done),
-        "bad_rows": dict(bad.counts),
-        "seconds": round(time.monotonic() - start, 1),
-    }
+    result = CaptureSummary(out, written, len(done), dict(bad.counts), round(time.monotonic() - start, 1))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capture_summary.json").write_text(json.dumps(summary, indent=2))
+    (out / CAPTURE_SUMMARY).write_text(json.dumps(result.summary(), indent=2))
     print(f"[capture] {written} records written to {out}; {bad.report()}")
-    return summary
+    return result
 
 
-def prepare_and_capture(cfg: PeagleConfig, prepare: bool, capture: bool) -> dict:
+def prepare_and_capture(cfg: PeagleConfig, prepare: bool, capture: bool) -> DataArtifacts:
     """The data half of the pipeline in one target session: prepare (regenerating if configured), capture."""
-    summary = {}
     if prepare:
         check_sources(cfg.data.sources)  # before the target starts
-    needs_target = capture or cfg.data.regenerate or any(is_magpie(s) for s in cfg.data.sources)
-    if prepare and not needs_target:
-        return {"prepare": run_prepare(cfg, None)}
+    if prepare and not (capture or data_stage.needs_target(cfg)):
+        return DataArtifacts(prepared=data_stage.run(cfg))
     with target_session(cfg) as session:
-        if prepare:
-            summary["prepare"] = run_prepare(cfg, session)
-        if capture:
-            summary["capture"] = run_capture_offline(cfg, session)
-    return summary
+        prepared = data_stage.run(cfg, session.handle) if prepare else None
+        captured = run_capture_offline(cfg, session) if capture else None
+    return DataArtifacts(prepared, captured)
+
+
+@dataclass(frozen=True)
+class DataArtifacts:
+    """What `peagle-ray data prepare|capture` made: the stages that ran have their artifact."""
+
+    prepared: PreparedData | None = None
+    captured: CaptureSummary | None = None
+
+    def summary(self) -> dict:
+        """The command's JSON: {"prepare": summary.json, "capture": capture_summary.json} for the stages run."""
+        out = {}
+        if self.prepared is not None:
+            out["prepare"] = self.prepared.summary()
+        if self.captured is not None:
+            out["capture"] = self.captured.summary()
+        return out

@@ -21,7 +21,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -109,16 +109,17 @@ class BadRows:
     def report(self) -> str:
         if not self.counts:
             return "bad rows: none"
-        parts = [f"{reason} {self.counts[reason]}" for reason in BAD_ROW_REASONS if self.counts[reason]]
+        parts = [f"{reason} {self.counts[reason]}" for reason in self._reasons()]
         return f"bad rows: {self.total()} skipped ({', '.join(parts)})"
 
     def report_examples(self, per_reason: int = 3) -> str:
         """One line per reason with its first examples, e.g. "  wrong_type: chats.jsonl:3: messages[0]..."."""
-        return "\n".join(
-            f"  {reason}: {'; '.join(self.examples[reason][:per_reason])}"
-            for reason in BAD_ROW_REASONS
-            if self.counts[reason]
-        )
+        return "\n".join(f"  {reason}: {'; '.join(self.examples[reason][:per_reason])}" for reason in self._reasons())
+
+    def _reasons(self) -> list[str]:
+        """The reasons counted: data's in BAD_ROW_REASONS order, then any other (capture's) by name."""
+        known = [reason for reason in BAD_ROW_REASONS if self.counts[reason]]
+        return known + sorted(r for r, n in self.counts.items() if n and r not in BAD_ROW_REASONS)
 
 
 # ---- reading -----------------------------------------------------------------------------------------
@@ -336,9 +337,68 @@ def _recorded_sample(c: Conversation, max_length: int) -> tuple[list[int], list[
     return finish_sample(ids, [0] * len(c.prompt_ids) + [1] * len(c.output_ids), max_length)
 
 
+@dataclass(frozen=True)
+class PreparedData:
+    """The data stage's artifact: a prepared directory (data.output_dir) and what its summary.json says.
+
+    Files: {train,validation}.jsonl (one TokenizedSample per line), token_counts.safetensors (loss-masked
+    token frequencies over the target vocabulary: the draft vocabulary is drawn from them), summary.json
+    (this object's fields but the directory)."""
+
+    directory: Path
+    samples: dict[str, int]  # per split
+    by_category: dict[str, dict[str, int]] = field(default_factory=dict)  # category -> split -> samples
+    tokens: int = 0
+    bad_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped
+    bad_row_examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @staticmethod
+    def exists(directory: str | Path) -> bool:
+        return (Path(directory) / SUMMARY).is_file()
+
+    @staticmethod
+    def read(directory: str | Path) -> PreparedData:
+        path = Path(directory) / SUMMARY
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no prepared data in data.output_dir = {directory} (no {SUMMARY}); run `peagle-ray data prepare` first"
+            )
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict) or not isinstance(summary.get("samples"), dict):
+            raise ValueError(f"{path} has no per-split sample counts ('samples'); run `peagle-ray data prepare` again")
+        known = {f.name for f in fields(PreparedData)} - {"directory"}
+        return PreparedData(directory=Path(directory), **{k: v for k, v in summary.items() if k in known})
+
+    def summary(self) -> dict:
+        """summary.json's content: every field but the directory."""
+        return {k: v for k, v in asdict(self).items() if k != "directory"}
+
+    def write_summary(self) -> None:
+        (self.directory / SUMMARY).write_text(json.dumps(self.summary(), indent=2))
+
+    def file(self, split: str) -> Path:
+        return prepared_file(self.directory, split)
+
+    def files(self) -> list[Path]:
+        return [self.file(split) for split in SPLITS]
+
+    def records(self, split: str) -> list[TokenizedSample]:
+        return read_prepared(self.directory, split)
+
+    def all_records(self) -> list[TokenizedSample]:
+        return [sample for split in SPLITS for sample in self.records(split)]
+
+    @property
+    def token_counts_file(self) -> Path:
+        return self.directory / TOKEN_COUNTS
+
+    def token_counts(self) -> torch.Tensor:
+        return read_token_counts(self.directory)
+
+
 def write_prepared(
     samples: Iterable[TokenizedSample], out_dir: Path, vocab_size: int, bad: BadRows, progress=None
-) -> dict:
+) -> PreparedData:
     """Write {train,validation}.jsonl, token_counts.safetensors (loss-masked token frequencies), summary.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -361,15 +421,16 @@ def write_prepared(
         for f in files.values():
             f.close()
     save_file({"counts": counts}, str(out_dir / TOKEN_COUNTS))
-    summary = {
-        "samples": dict(written),
-        "by_category": {category: dict(n) for category, n in sorted(by_category.items())},
-        "tokens": tokens,
-        "bad_rows": dict(bad.counts),
-        "bad_row_examples": bad.examples,
-    }
-    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
-    return summary
+    prepared = PreparedData(
+        directory=out_dir,
+        samples=dict(written),
+        by_category={category: dict(n) for category, n in sorted(by_category.items())},
+        tokens=tokens,
+        bad_rows=dict(bad.counts),
+        bad_row_examples=bad.examples,
+    )
+    prepared.write_summary()
+    return prepared
 
 
 def read_token_counts(out_dir: Path) -> torch.Tensor:
@@ -378,12 +439,6 @@ def read_token_counts(out_dir: Path) -> torch.Tensor:
 
 def prepared_file(out_dir: str | Path, split: str) -> Path:
     return Path(out_dir) / f"{split}.jsonl"
-
-
-def read_summary(out_dir: str | Path) -> dict | None:
-    """The prepared directory's summary.json, or None where nothing was prepared."""
-    path = Path(out_dir) / SUMMARY
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def read_prepared(out_dir: Path, split: str) -> list[TokenizedSample]:

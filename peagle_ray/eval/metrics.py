@@ -3,18 +3,41 @@ their spread, and the verdict on K. No vLLM, no MLflow: tested with literal valu
 
 from __future__ import annotations
 
+from typing import NotRequired, TypedDict
+
 from peagle_ray.export.speculators import Recommendation
 from peagle_ray.spec_counters import SpecStats
 
 
-def summarize(k: int, baseline: dict, run: dict) -> dict[str, dict]:
+class Row(TypedDict):
+    """One decoder's metrics on one category (or "overall") at one K: what eval.json, the tables, adapt's
+    verdicts and the benchmarks read."""
+
+    k: int  # tokens drafted per step (0: the target alone)
+    acceptance_per_position: list[float]
+    acceptance_length: float  # AL: tokens per target step, the bonus token included
+    tokens_per_s: float  # timed prompts, batch 1
+    baseline_tokens_per_s: float  # the target alone on the same prompts
+    speedup: float | None
+    speedup_se: float | None  # standard error over the timed prompts' speedups (None under 2)
+    timed_prompts: int
+    step_cost_vs_target: float | None  # one draft-and-verify step in target decode steps
+    greedy_mismatches: int  # prompts whose greedy output differs from the target alone's
+    speedup_vs_eagle3: NotRequired[float | None]  # P-EAGLE's rows, when both algorithms ran
+
+
+ByK = dict[int, dict[str, Row]]  # K -> category (and "overall") -> row
+
+
+def summarize(k: int, baseline: dict, run: dict) -> dict[str, Row]:
     """Per category and "overall" metrics of one speculative run against the target-only run.
 
     e.g. a category with counters {drafts 10, accepted 14, per position [8, 5, 1]} -> acceptance [0.8, 0.5,
     0.1], AL 2.4; tokens/s = timed tokens / seconds; speedup = tokens/s / the baseline's tokens/s;
     step_cost_vs_target = the timing prompts' AL / speedup (e.g. AL 2.5 at 2.0x -> 1.25).
     """
-    rows, parts = {}, []
+    rows: dict[str, Row] = {}
+    parts = []
     for category, acceptance in run["acceptance"].items():
         t, b = run["timing"][category], baseline["timing"][category]
         expected = baseline["acceptance"][category]["tokens"]
@@ -60,30 +83,30 @@ def _row(
     base_seconds,
     mismatches,
     speedups: list[float],
-) -> dict:
+) -> Row:
     tps = tokens / seconds if seconds else 0.0
     base = base_tokens / base_seconds if base_seconds else 0.0
     speedup = tps / base if base else None
-    return {
-        "k": k,
-        "acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
-        "acceptance_length": round(counters.acceptance_length, 4),
-        "tokens_per_s": round(tps, 2),
-        "baseline_tokens_per_s": round(base, 2),
-        "speedup": round(speedup, 3) if speedup else None,
-        "speedup_se": None if (se := standard_error(speedups)) is None else round(se, 3),
-        "timed_prompts": len(speedups),
-        "step_cost_vs_target": round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
-        "greedy_mismatches": mismatches,
-    }
+    return Row(
+        k=k,
+        acceptance_per_position=[round(r, 4) for r in counters.acceptance_per_position],
+        acceptance_length=round(counters.acceptance_length, 4),
+        tokens_per_s=round(tps, 2),
+        baseline_tokens_per_s=round(base, 2),
+        speedup=round(speedup, 3) if speedup else None,
+        speedup_se=None if (se := standard_error(speedups)) is None else round(se, 3),
+        timed_prompts=len(speedups),
+        step_cost_vs_target=round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
+        greedy_mismatches=mismatches,
+    )
 
 
-def fastest_k(by_k: dict[int, dict]) -> int:
+def fastest_k(by_k: ByK) -> int:
     """The K with the best measured overall tokens/s (ties: the smaller K)."""
     return max(sorted(by_k), key=lambda k: by_k[k]["overall"]["tokens_per_s"])
 
 
-def recommend_k(by_k: dict[int, dict]) -> Recommendation:
+def recommend_k(by_k: ByK) -> Recommendation:
     """Draft at the fastest K only when it is measurably faster than the target alone: its overall speedup less
     two standard errors of the per-prompt speedups (the speedup itself when under 2 prompts were timed) must
     be above 1. Otherwise the recommendation is no drafting, and says why.

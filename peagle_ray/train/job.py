@@ -17,7 +17,7 @@ import json
 import math
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ from peagle_ray.train.checkpoint import CHECKPOINT_WEIGHTS, load_drafter_from_ch
 from peagle_ray.train.worker import WorkerPlan, train_worker
 
 if TYPE_CHECKING:
+    from peagle_ray.data.prepare import PreparedData
     from peagle_ray.target import TargetInfo
 
 
@@ -38,22 +39,22 @@ class TrainInputs:
 
     info: TargetInfo  # the target: path, shape, aux layers
     aux_layer_ids: list[int]
-    token_counts: Path  # the prepared data's loss-masked token counts (draft vocabulary)
+    data: PreparedData  # the data stage's artifact (its token counts give the draft vocabulary)
     feature_scale: list[float] | None = None  # drafter.normalize_features' per-channel scale
 
 
 def check_inputs(cfg: PeagleConfig) -> TrainInputs:
     """Fail fast, before any worker starts: target, prepared data and (offline) captured shards must exist."""
     from peagle_ray.capture.pipeline import read_manifest
-    from peagle_ray.data.prepare import TOKEN_COUNTS, read_summary
+    from peagle_ray.data.prepare import PreparedData
     from peagle_ray.target import read_target_info, resolve_target_path
 
     info = read_target_info(resolve_target_path(cfg))
     data_dir = Path(cfg.data.output_dir)
-    summary = read_summary(data_dir)
-    if summary is None or not (data_dir / TOKEN_COUNTS).is_file():
+    data = PreparedData.read(data_dir) if PreparedData.exists(data_dir) else None
+    if data is None or not data.token_counts_file.is_file():
         raise FileNotFoundError(f"data.output_dir = {data_dir} has no prepared data; run `peagle-ray data prepare`")
-    samples = summary["samples"]
+    samples = data.samples
     if not samples.get("train"):
         raise ConfigError(
             f"data.output_dir = {data_dir} has no training samples (summary: {samples}); nothing to train on"
@@ -80,7 +81,7 @@ def check_inputs(cfg: PeagleConfig) -> TrainInputs:
         )
     aux = info.aux_layer_ids(cfg.capture.aux_layer_ids)
     scale = feature_scale(cfg) if cfg.drafter.normalize_features else None
-    return TrainInputs(info, list(aux), (data_dir / TOKEN_COUNTS).resolve(), scale)
+    return TrainInputs(info, list(aux), data, scale)
 
 
 FEATURE_SCALE_RECORDS = 64
@@ -171,10 +172,23 @@ def _fit(cfg: PeagleConfig, plan: WorkerPlan, train_ds=None, val_ds=None):
             signal.signal(signal.SIGINT, previous)
 
 
-def run_training(cfg: PeagleConfig) -> dict:
-    """Train, export the best checkpoint, log everything to MLflow; returns a summary."""
+@dataclass(frozen=True)
+class TrainResult:
+    """The training stage's artifact: the best checkpoint, its export (the drafter vLLM serves) and the MLflow
+    run; written as <storage>/<run_name>/summary.json (layout.run_summary)."""
+
+    run_id: str
+    tracking_uri: str
+    best_step: int | None
+    best_metrics: dict[str, float]  # the best checkpoint's val/* metrics
+    export_dir: str
+    checkpoint: str  # the best checkpoint's directory (Ray Train's)
+    registered_version: str | None  # the MLflow model version registered for the export, if any
+
+
+def run_training(cfg: PeagleConfig) -> TrainResult:
+    """Train, export the best checkpoint, log everything to MLflow."""
     from peagle_ray.cluster import ensure_ray
-    from peagle_ray.data.prepare import SPLITS, prepared_file, read_summary
     from peagle_ray.tracking import find_or_create_run, log_training_data, metric_progress, run_status, tracking_uri
 
     inputs = check_inputs(cfg)
@@ -185,9 +199,7 @@ def run_training(cfg: PeagleConfig) -> dict:
         run_id, created = find_or_create_run(uri, cfg, layout.mlflow_dir(storage))
         print(f"[train] MLflow run {run_id} ({'new' if created else 'resumed'}) at {uri}")
         with run_status(uri, run_id):
-            data_dir = Path(cfg.data.output_dir)
-            files = [prepared_file(data_dir, split) for split in SPLITS]
-            log_training_data(uri, run_id, cfg, read_summary(data_dir) or {}, files)
+            log_training_data(uri, run_id, cfg, inputs.data.summary(), inputs.data.files())
             plan = worker_plan(cfg, inputs, uri, run_id, storage)
             with metric_progress(uri, run_id, cfg.training.max_steps, f"train {cfg.training.run_name}"):
                 result = _fit(cfg, plan) if cfg.capture.mode == "offline" else _fit_online(cfg, plan)
@@ -199,19 +211,19 @@ def run_training(cfg: PeagleConfig) -> dict:
             version = _log_artifacts(
                 uri, run_id, cfg, layout.run_dir(storage, cfg.training.run_name), export, best_metrics
             )
-    summary = {
-        "run_id": run_id,
-        "tracking_uri": uri,
-        "best_step": best_metrics.get("step"),
-        "best_metrics": {k: v for k, v in best_metrics.items() if k.startswith("val/")},
-        "export_dir": str(export),
-        "checkpoint": best.path,
-        "registered_version": version,
-    }
-    layout.run_summary(storage, cfg.training.run_name).write_text(json.dumps(summary, indent=2))
+    trained = TrainResult(
+        run_id=run_id,
+        tracking_uri=uri,
+        best_step=best_metrics.get("step"),
+        best_metrics={k: v for k, v in best_metrics.items() if k.startswith("val/")},
+        export_dir=str(export),
+        checkpoint=best.path,
+        registered_version=version,
+    )
+    layout.run_summary(storage, cfg.training.run_name).write_text(json.dumps(asdict(trained), indent=2))
     al = best_metrics.get(layout.VAL_ACCEPTANCE_LENGTH, float("nan"))
-    print(f"[train] best step {summary['best_step']}: AL {al:.3f}; exported to {export}")
-    return summary
+    print(f"[train] best step {trained.best_step}: AL {al:.3f}; exported to {export}")
+    return trained
 
 
 def worker_plan(cfg: PeagleConfig, inputs: TrainInputs, uri: str, run_id: str, storage: Path) -> WorkerPlan:
@@ -220,7 +232,7 @@ def worker_plan(cfg: PeagleConfig, inputs: TrainInputs, uri: str, run_id: str, s
         config=cfg.model_dump(mode="json"),
         target_dir=str(inputs.info.path),
         aux_layer_ids=inputs.aux_layer_ids,
-        token_counts=str(inputs.token_counts),
+        token_counts=str(inputs.data.token_counts_file.resolve()),
         tracking_uri=uri,
         run_id=run_id,
         storage_path=cfg.training.checkpoint_uri or str(storage),

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,38 +35,47 @@ from peagle_ray.train.checkpoint import load_checkpoint, save_checkpoint
 from peagle_ray.train.elements import TrainSequence
 from peagle_ray.train.step import StepStats, make_optimizer, sampled_sequence_backward, train_step
 
+if TYPE_CHECKING:
+    from peagle_ray.capture.pipeline import Record
 
-def to_sequence(record: dict) -> TrainSequence:
-    """A captured record (numpy or torch fields) -> a training sequence."""
-    t = lambda key, dtype: torch.as_tensor(record[key]).to(dtype)  # noqa: E731
+
+def to_sequence(record: Record) -> TrainSequence:
+    """A captured record -> a training sequence."""
     return TrainSequence.from_record(
-        t("input_ids", torch.long),
-        t("loss_mask", torch.long),
-        t("aux_hidden", torch.float32),
-        t("last_hidden", torch.float32),
+        record["input_ids"].long(),
+        record["loss_mask"].long(),
+        record["aux_hidden"].float(),
+        record["last_hidden"].float(),
     )
 
 
-def full_batches(records: Iterator[dict], size: int) -> Iterator[list[TrainSequence]]:
+def full_batches(records: Iterator[Record], size: int) -> Iterator[list[TrainSequence]]:
     """Consecutive batches of `size` training sequences; a short tail is dropped."""
     while len(batch := [to_sequence(r) for r in itertools.islice(records, size)]) == size:
         yield batch
 
 
-def cycle_records(shard, epochs: int, cache_bytes: int = 0) -> Iterator[dict]:
-    """Rows of a dataset shard, epoch after epoch. The first epoch's rows also go into a local spill file of at
-    most `cache_bytes`, which later epochs replay instead of re-streaming the shard (online mode: capturing
-    every record through the target again); a first epoch larger than that re-streams every epoch."""
+def cycle_records(shard, epochs: int, cache_bytes: int = 0) -> Iterator[Record]:
+    """Records of a dataset shard, epoch after epoch; a capture's error rows are counted, reported at the end
+    of the epoch and skipped. The first epoch's records also go into a local spill file of at most
+    `cache_bytes`, which later epochs replay instead of re-streaming the shard (online mode: capturing every
+    record through the target again); a first epoch larger than that re-streams every epoch."""
+    from peagle_ray.capture.pipeline import valid_records
+    from peagle_ray.data.prepare import BadRows
+
     with EpochCache(cache_bytes) as cache:
         for epoch in range(epochs):
             if epoch and cache.complete:
                 yield from cache.replay()
                 continue
-            for row in shard.iter_rows():
+            bad = BadRows()
+            for record in valid_records(shard.iter_rows(), bad):
                 if not epoch:
-                    cache.add(row)
-                yield row
+                    cache.add(record)
+                yield record
             cache.close_writing()
+            if bad.total():
+                print(f"[train] epoch {epoch}: capture {bad.report()}", flush=True)
 
 
 class EpochCache:
@@ -78,7 +88,7 @@ class EpochCache:
         self._dir = tempfile.TemporaryDirectory(prefix="peagle-epoch-cache-") if limit > 0 else None
         self._file = open(Path(self._dir.name) / "rows.npy", "wb") if self._dir else None  # noqa: SIM115
 
-    def add(self, row: dict) -> None:
+    def add(self, row: Record) -> None:
         if self._file is None:
             return
         arrays = {k: np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
@@ -101,12 +111,14 @@ class EpochCache:
             self._file.close()
             self._file = None
 
-    def replay(self) -> Iterator[dict]:
+    def replay(self) -> Iterator[Record]:
+        from peagle_ray.capture.pipeline import to_record
+
         assert self._dir is not None, "replay() after complete() said True"
         with open(Path(self._dir.name) / "rows.npy", "rb") as f:
             for _ in range(self.rows):
                 arrays = {key: np.load(f, allow_pickle=False) for key in self.keys}
-                yield {k: a.item() if a.ndim == 0 else a for k, a in arrays.items()}
+                yield to_record({k: a.item() if a.ndim == 0 else a for k, a in arrays.items()})
 
     def _give_up(self) -> None:
         self.close_writing()
@@ -172,14 +184,14 @@ def broadcast_from_rank0(value: dict, world: int) -> dict:
     return value
 
 
-def validation_subset(rows, tcfg) -> list[dict]:
+def validation_subset(rows, tcfg) -> list[Record]:
     """The validation records measured: those whose sample id starts with training.validation_prefix, in
     sample-id order (the read order is not fixed), the first training.validation_records of them."""
     kept = (r for r in rows if r["sample_id"].startswith(tcfg.validation_prefix))
     return sorted(kept, key=lambda r: r["sample_id"])[: tcfg.validation_records]
 
 
-def validate(drafter, teacher, records: list[dict], cfg: PeagleConfig, generator) -> dict[str, float]:
+def validate(drafter, teacher, records: list[Record], cfg: PeagleConfig, generator) -> dict[str, float]:
     """Per-depth accuracy and loss on validation records, and offline greedy acceptance per position."""
     drafter.eval()
     replayer = drafter if drafter.embed_tokens.weight.device.type == "cpu" else copy.deepcopy(drafter).cpu()
@@ -282,22 +294,24 @@ def build_rank(plan: WorkerPlan) -> Rank:
     return Rank(cfg, rank, world, device, drafter, teacher, optimizer, scheduler, generator, state)
 
 
-def rank_records(plan: WorkerPlan, r: Rank) -> tuple[Iterator[dict], list[dict]]:
+def rank_records(plan: WorkerPlan, r: Rank) -> tuple[Iterator[Record], list[Record]]:
     """This rank's training records (epoch after epoch) and, on rank 0, the validation records measured.
     Offline, each rank reads its share of the shards itself (no Ray Data executor to feed); online, the
     driver's Ray Datasets."""
     import ray.train
 
-    from peagle_ray.capture.pipeline import read_split
+    from peagle_ray.capture.pipeline import read_split, to_record
 
     epochs, first = r.cfg.training.epochs, r.rank == 0
-    records: Iterator[dict]
+    records: Iterator[Record]
     if plan.offline_dir:
         shards = Path(plan.offline_dir)
         validation_rows = read_split(shards, "validation") if first else []
         records = (row for _ in range(epochs) for row in read_split(shards, "train", r.rank, r.world))
     else:
-        validation_rows = ray.train.get_dataset_shard("validation").iter_rows() if first else []
+        validation_rows = (
+            (to_record(row) for row in ray.train.get_dataset_shard("validation").iter_rows()) if first else []
+        )
         cache_bytes = int(r.cfg.capture.epoch_cache_gb * 2**30)
         records = cycle_records(ray.train.get_dataset_shard("train"), epochs, cache_bytes)
     return records, validation_subset(validation_rows, r.cfg.training)
@@ -318,7 +332,7 @@ def step_metrics(r: Rank, stats: StepStats, speed: dict[str, float]) -> dict[str
     return metrics
 
 
-def validate_and_checkpoint(r: Rank, step: int, metrics: dict, validation: list[dict], log: MetricLog) -> None:
+def validate_and_checkpoint(r: Rank, step: int, metrics: dict, validation: list[Record], log: MetricLog) -> None:
     """Rank 0 validates; every rank reports the same metrics (checkpoint scoring); rank 0's held metrics are
     written before the checkpoint that covers them, which rank 0 attaches."""
     import ray.train

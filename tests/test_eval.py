@@ -6,7 +6,15 @@ from pathlib import Path
 import pytest
 
 from peagle_ray.bench.e2e import goal
-from peagle_ray.eval.metrics import fastest_k, prompt_speedups, recommend_k, standard_error, summarize
+from peagle_ray.eval.metrics import (
+    AlgorithmResult,
+    SweepResult,
+    fastest_k,
+    prompt_speedups,
+    recommend_k,
+    standard_error,
+    summarize,
+)
 from peagle_ray.eval.report import format_table
 from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
 from peagle_ray.export.speculators import Recommendation
@@ -146,15 +154,45 @@ def test_recommended_k_goes_into_the_drafter_config(tmp_path):
     }
 
 
+def sweep_result(rows, recommended_k: int, names=("peagle",), suite="validation") -> SweepResult:
+    """A sweep that measured `rows` at K = 3 for each drafter in `names`."""
+    return SweepResult(
+        target="target",
+        suite=suite,
+        categories=[c for c in rows if c != "overall"],
+        k_values=[3],
+        prompts_per_category=2,
+        timing_prompts=1,
+        max_new_tokens=8,
+        dtype="float32",
+        target_only={"overall": {"tokens_per_s": 10.0}},
+        algorithms={n: AlgorithmResult(n, {3: rows}, best_k=3, recommended_k=recommended_k) for n in names},
+    )
+
+
+def test_sweep_result_writes_eval_json_in_its_layout():
+    rows = summarize(3, BASELINE, RUN)
+    results = sweep_result(rows, 3, names=("eagle3", "peagle"))
+    out = json.loads(json.dumps(results.to_json()))
+    assert list(out)[:9] == [
+        "target", "suite", "categories", "k_values", "prompts_per_category", "timing_prompts", "max_new_tokens",
+        "dtype", "target_only",
+    ]  # fmt: skip
+    assert list(out)[9:] == ["eagle3", "peagle", "recommended_k", "greedy_mismatches"]
+    assert out["peagle"]["best"] == out["peagle"]["by_k"]["3"] and out["peagle"]["best_k"] == 3
+    assert out["recommended_k"] == {"eagle3": 3, "peagle": 3}
+    assert out["greedy_mismatches"] == 2 * rows["overall"]["greedy_mismatches"] == 2  # each drafter's, every K
+
+
 def test_table_has_positions_and_avg_length_per_category():
     rows = summarize(3, BASELINE, RUN)
-    table = format_table({"peagle": {"best": rows, "recommended_k": 3}, "greedy_mismatches": 1})
+    table = format_table(sweep_result(rows, 3))
     lines = table.splitlines()
     assert lines[0] == "peagle (recommended K = 3)"
     assert lines[1] == "| Category | Pos 1 | Pos 2 | Pos 3 | Avg Length | tok/s | speedup |"
     assert "| coding | 80.0 | 50.0 | 10.0 | 2.40 | 20.0 | 2.00x |" in lines
     assert lines[-1] == "greedy mismatches against the target alone: 1"
-    none = format_table({"peagle": {"best": rows, "best_k": 3, "recommended_k": 0}, "greedy_mismatches": 0})
+    none = format_table(sweep_result(rows, 0))
     assert none.splitlines()[0] == "peagle (at its fastest K = 3; recommended: no drafting, the target alone is served)"
 
 
@@ -187,7 +225,7 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
 
     def log_to_mlflow(uri, cfg, results, drafters, work_dir):  # as evaluate() does: the JSON first
         work_dir.mkdir(exist_ok=True)
-        (work_dir / "eval.json").write_text(json.dumps(results))
+        (work_dir / "eval.json").write_text(json.dumps(results.to_json()))
         return log_results(uri, cfg, results, drafters, work_dir)
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -199,14 +237,7 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     rows = summarize(3, BASELINE, RUN)
 
     def sweep(k):
-        entry = {"by_k": {3: rows}, "best": rows, "recommended_k": k}
-        results = {
-            "target_only": {"overall": {"tokens_per_s": 10.0}},
-            "k_values": [3],
-            "peagle": entry,
-            "eagle3": entry,
-            "greedy_mismatches": 1,
-        }
+        results = sweep_result(rows, k, names=("eagle3", "peagle"))
         return log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle, "eagle3": eagle3}, tmp_path / "eval")
 
     first = sweep(3)
@@ -228,13 +259,7 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     assert [row[1:3] for row in table["data"]] == [[3, 1], [3, 2], [3, 3]] * 2  # each sweep's rows, stamped
     assert "eval/acceptance_per_position.json" in client.get_run(trained).data.tags["mlflow.loggedArtifacts"]
     # another suite gets its own section: it does not draw over the validation curves
-    results = {
-        "target_only": {"overall": {"tokens_per_s": 10.0}},
-        "k_values": [3],
-        "suite": "mt-bench",
-        "peagle": {"by_k": {3: rows}, "best": rows, "recommended_k": 3},
-        "greedy_mismatches": 0,
-    }
+    results = sweep_result(rows, 3, suite="mt-bench")
     log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle}, tmp_path / "eval-mt")
     assert len(client.get_metric_history(trained, "eval-mt-bench/acceptance_by_position_k3")) == 3
     assert len(client.get_metric_history(trained, "eval/acceptance_by_position_k3")) == 6  # the two earlier sweeps

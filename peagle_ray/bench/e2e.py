@@ -14,6 +14,7 @@ EAGLE-3: 1.3 x step cost x EAGLE-3's speedup). An AL above K + 1 cannot be reach
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from peagle_ray.config import PeagleConfig
 
@@ -23,25 +24,26 @@ def run(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None
     from peagle_ray.target import resolve_target_path
 
     results = run_eval(cfg, resolve_target_path(cfg), drafters, k_values, write_k=False)
-    out = {
-        "target": results["target"],
-        "prompts_per_category": results["prompts_per_category"],
-        "timing_prompts_per_category": results["timing_prompts"],
-        "max_new_tokens": results["max_new_tokens"],
-        "target_tokens_per_s": results["target_only"]["overall"]["tokens_per_s"],
-        "greedy_mismatches": results["greedy_mismatches"],
-        "k_values": results["k_values"],
+    out: dict[str, Any] = {
+        "target": results.target,
+        "prompts_per_category": results.prompts_per_category,
+        "timing_prompts_per_category": results.timing_prompts,
+        "max_new_tokens": results.max_new_tokens,
+        "target_tokens_per_s": results.target_only["overall"]["tokens_per_s"],
+        "greedy_mismatches": results.greedy_mismatches,
+        "k_values": results.k_values,
     }
     for algorithm in ("eagle3", "peagle"):
-        if algorithm in results:
-            best = results[algorithm]["best"]["overall"]
+        if algorithm in results.algorithms:
+            entry = results.algorithms[algorithm]
+            best = entry.best["overall"]
             out[algorithm] = {
                 "k": best["k"],
                 "tokens_per_s": best["tokens_per_s"],
                 "acceptance_length": best["acceptance_length"],
                 "speedup": best["speedup"],
                 "step_cost_vs_target": best["step_cost_vs_target"],
-                "tokens_per_s_by_k": {k: r["overall"]["tokens_per_s"] for k, r in results[algorithm]["by_k"].items()},
+                "tokens_per_s_by_k": {k: r["overall"]["tokens_per_s"] for k, r in entry.by_k.items()},
             }
     goals = {}
     if "peagle" in out:

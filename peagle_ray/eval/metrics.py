@@ -3,6 +3,7 @@ their spread, and the verdict on K. No vLLM, no MLflow: tested with literal valu
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
 from peagle_ray.export.speculators import Recommendation
@@ -27,6 +28,82 @@ class Row(TypedDict):
 
 
 ByK = dict[int, dict[str, Row]]  # K -> category (and "overall") -> row
+
+
+@dataclass
+class AlgorithmResult:
+    """One drafter's sweep: its rows at every K, then (decide) the fastest K and the verdict on it."""
+
+    drafter: str  # its export directory
+    by_k: ByK = field(default_factory=dict)
+    best_k: int = 0  # the fastest K
+    recommended_k: int = 0  # the K to serve; 0: no drafting (not measurably faster than the target alone)
+    recommendation: str = ""  # why
+
+    @property
+    def best(self) -> dict[str, Row]:
+        """The rows at the fastest K."""
+        return self.by_k[self.best_k]
+
+    def decide(self) -> Recommendation:
+        recommendation = recommend_k(self.by_k)
+        self.best_k, self.recommendation = recommendation.k, recommendation.reason
+        self.recommended_k = recommendation.k if recommendation.draft else 0
+        return recommendation
+
+    def to_json(self) -> dict:
+        return {
+            "drafter": self.drafter,
+            "by_k": self.by_k,
+            "best_k": self.best_k,
+            "best": self.best,
+            "recommended_k": self.recommended_k,
+            "recommendation": self.recommendation,
+        }
+
+
+@dataclass
+class SweepResult:
+    """The evaluation stage's artifact (eval.json is its to_json()): what was measured, the target alone's
+    tokens/s per category, and each drafter's AlgorithmResult."""
+
+    target: str
+    suite: str
+    categories: list[str]
+    k_values: list[int]
+    prompts_per_category: int
+    timing_prompts: int
+    max_new_tokens: int
+    dtype: str
+    target_only: dict[str, dict[str, float]] = field(default_factory=dict)  # category -> {"tokens_per_s"}
+    algorithms: dict[str, AlgorithmResult] = field(default_factory=dict)
+
+    @property
+    def recommended_k(self) -> dict[str, int]:
+        return {name: a.recommended_k for name, a in self.algorithms.items()}
+
+    @property
+    def greedy_mismatches(self) -> int:
+        """Prompts whose greedy output differed from the target alone's, over every drafter and K."""
+        return sum(rows["overall"]["greedy_mismatches"] for a in self.algorithms.values() for rows in a.by_k.values())
+
+    def to_json(self) -> dict:
+        """eval.json: the fields, then each algorithm under its name, recommended_k, greedy_mismatches."""
+        out: dict = {
+            "target": self.target,
+            "suite": self.suite,
+            "categories": self.categories,
+            "k_values": self.k_values,
+            "prompts_per_category": self.prompts_per_category,
+            "timing_prompts": self.timing_prompts,
+            "max_new_tokens": self.max_new_tokens,
+            "dtype": self.dtype,
+            "target_only": self.target_only,
+        }
+        out.update({name: a.to_json() for name, a in self.algorithms.items()})
+        out["recommended_k"] = self.recommended_k
+        out["greedy_mismatches"] = self.greedy_mismatches
+        return out
 
 
 def summarize(k: int, baseline: dict, run: dict) -> dict[str, Row]:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
-from peagle_ray.eval.metrics import recommend_k, summarize
+from peagle_ray.eval.metrics import AlgorithmResult, SweepResult, summarize
 from peagle_ray.eval.report import format_table, log_results
 from peagle_ray.export.speculators import Recommendation, read_drafter, speculative_config
 from peagle_ray.layout import ALGORITHMS, eval_dir, export_dir, mlflow_dir, run_name_for
@@ -146,23 +146,23 @@ def run_eval(
     k_values: list[int] | None = None,
     progress: bool = True,
     write_k: bool = True,
-) -> dict:
+) -> SweepResult:
     """The sweep; drafters = {"peagle": dir, "eagle3": dir} (either may be missing). write_k: store each
     algorithm's recommended K in its drafter's config.json."""
     prompts = eval_prompts(cfg, target_dir)
     k_values = sorted(k_values or cfg.eval.k_values)
     plan = [(None, None)] + [(alg, k) for alg in ALGORITHMS if alg in drafters for k in k_values]
     bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
-    results: dict = {
-        "target": str(target_dir),
-        "suite": cfg.eval.suite,
-        "categories": list(prompts),
-        "k_values": k_values,
-        "prompts_per_category": cfg.eval.prompts_per_category,
-        "timing_prompts": cfg.eval.timing_prompts,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "dtype": cfg.target.dtype,
-    }
+    results = SweepResult(
+        target=str(target_dir),
+        suite=cfg.eval.suite,
+        categories=list(prompts),
+        k_values=k_values,
+        prompts_per_category=cfg.eval.prompts_per_category,
+        timing_prompts=cfg.eval.timing_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        dtype=cfg.target.dtype,
+    )
     baseline = None
     for algorithm, k in bar:
         bar.set_postfix_str(f"{algorithm or 'target only'}" + (f" K={k}" if k else ""))
@@ -173,33 +173,20 @@ def run_eval(
         if algorithm is None:
             baseline = run
             rows = summarize(0, run, run)
-            results["target_only"] = {c: {"tokens_per_s": r["tokens_per_s"]} for c, r in rows.items()}
+            results.target_only = {c: {"tokens_per_s": r["tokens_per_s"]} for c, r in rows.items()}
             continue
         assert baseline is not None  # the plan starts with the target alone
-        entry = results.setdefault(algorithm, {"drafter": str(drafters[algorithm]), "by_k": {}})
-        entry["by_k"][k] = summarize(k, baseline, run)
-    for algorithm in ALGORITHMS:
-        if algorithm in results:
-            entry = results[algorithm]
-            recommendation = recommend_k(entry["by_k"])
-            entry["best_k"] = recommendation.k
-            entry["best"] = entry["by_k"][recommendation.k]
-            entry["recommended_k"] = recommendation.k if recommendation.draft else 0
-            entry["recommendation"] = recommendation.reason
-            if write_k:
-                write_recommendation(drafters[algorithm], recommendation)
-    if "peagle" in results and "eagle3" in results:
-        ours, theirs = results["peagle"]["best"], results["eagle3"]["best"]
+        entry = results.algorithms.setdefault(algorithm, AlgorithmResult(str(drafters[algorithm])))
+        entry.by_k[k] = summarize(k, baseline, run)
+    for algorithm, entry in results.algorithms.items():
+        recommendation = entry.decide()
+        if write_k:
+            write_recommendation(drafters[algorithm], recommendation)
+    if "peagle" in results.algorithms and "eagle3" in results.algorithms:
+        ours, theirs = results.algorithms["peagle"].best, results.algorithms["eagle3"].best
         for category, row in ours.items():
             other = theirs[category]["tokens_per_s"]
             row["speedup_vs_eagle3"] = round(row["tokens_per_s"] / other, 3) if other else None
-    results["recommended_k"] = {a: results[a]["recommended_k"] for a in ALGORITHMS if a in results}
-    results["greedy_mismatches"] = sum(
-        results[a]["by_k"][k]["overall"]["greedy_mismatches"]
-        for a in ALGORITHMS
-        if a in results
-        for k in results[a]["by_k"]
-    )
     return results
 
 
@@ -212,13 +199,13 @@ def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] |
 
     results = run_eval(cfg, resolve_target_path(cfg), drafters, k_values)
     storage = Path(cfg.training.storage_path)
-    work_dir = eval_dir(storage, results["suite"])
+    work_dir = eval_dir(storage, results.suite)
     work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / "eval.json").write_text(json.dumps(results, indent=2))
+    (work_dir / "eval.json").write_text(json.dumps(results.to_json(), indent=2))
     with tracking_uri(cfg, mlflow_dir(storage)) as uri:
         runs = log_results(uri, cfg, results, drafters, work_dir)
     return {
-        "results": results,
+        "results": results.to_json(),
         "table": format_table(results),
         "json": work_dir / "eval.json",
         "runs": runs,

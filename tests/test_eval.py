@@ -263,3 +263,39 @@ def test_eval_logs_into_the_training_run_and_a_second_sweep_may_recommend_anothe
     log_to_mlflow(uri, PeagleConfig(), results, {"peagle": peagle}, tmp_path / "eval-mt")
     assert len(client.get_metric_history(trained, "eval-mt-bench/acceptance_by_position_k3")) == 3
     assert len(client.get_metric_history(trained, "eval/acceptance_by_position_k3")) == 6  # the two earlier sweeps
+
+
+@pytest.mark.vllm
+def test_the_sweep_runs_the_target_and_a_drafter_through_vllm_and_writes_its_verdict(tiny_target, tmp_path):
+    """run_eval end to end on the tiny target: a random P-EAGLE export at K = 2 against the target alone, on
+    MT-Bench's first turns: lossless, every field of the result measured, the verdict in the drafter."""
+    import torch
+
+    from peagle_ray.config import build_config
+    from peagle_ray.drafter.build import drafter_for_target
+    from peagle_ray.eval.sweep import run_eval
+    from peagle_ray.export.speculators import RECOMMENDATION, export_drafter
+
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
+            "drafter": {"num_depths": 2, "draft_vocab_size": 256},
+            "eval": {"suite": "mt-bench", "prompts_per_category": 1, "timing_prompts": 1, "max_new_tokens": 8},
+        }
+    )
+    counts = torch.ones(516, dtype=torch.long)
+    drafter, _, _ = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
+    export = export_drafter(drafter, tmp_path / "peagle", tiny_target, [2, 3, 5], 2)
+
+    results = run_eval(cfg, tiny_target, {"peagle": export}, [2], progress=False)
+    entry = results.algorithms["peagle"]
+    assert list(results.algorithms) == ["peagle"] and list(entry.by_k) == [2] and entry.best_k == 2
+    assert set(results.target_only) == {*results.categories, "overall"} and len(results.categories) == 8
+    overall = entry.best["overall"]
+    assert overall["k"] == 2 and overall["tokens_per_s"] > 0 and overall["baseline_tokens_per_s"] > 0
+    assert len(overall["acceptance_per_position"]) == 2 and results.greedy_mismatches == 0  # lossless
+    verdict = json.loads((export / RECOMMENDATION).read_text())
+    assert verdict["k"] == 2 and verdict["reason"] == entry.recommendation
+    saved = json.loads(json.dumps(results.to_json()))
+    assert saved["peagle"]["best"] == saved["peagle"]["by_k"]["2"]
+    assert saved["recommended_k"] == {"peagle": 2 if verdict["draft"] else 0}

@@ -1,5 +1,6 @@
-"""The pure part of evaluation: one sweep's raw counts and timings (vllm_run's JSON) -> per-category metrics,
-their spread, and the verdict on K. No vLLM, no MLflow: tested with literal values (tests/test_eval.py)."""
+"""The pure part of evaluation: one sweep's raw counts and timings (vllm_run's JSON) -> per-category metrics
+(Row), their spread, and the verdict on K; the sweep's result types (AlgorithmResult, SweepResult, whose
+to_json() is eval.json). No vLLM, no MLflow: tested with literal values (tests/test_eval.py)."""
 
 from __future__ import annotations
 

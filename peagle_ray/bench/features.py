@@ -173,9 +173,8 @@ def attention_on_anchor(drafter, seq, depths: int) -> dict[str, list[float]]:
         allowed = attention_mask(elements, elements, seq.doc_ids)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.head_dim)
         weights = scores.masked_fill(~allowed, -math.inf).softmax(-1)  # (heads, E, E)
-    index_of = {(int(an), int(d)): i for i, (an, d) in enumerate(zip(elements.anchor, elements.depth, strict=True))}
-    anchor_key = torch.tensor([index_of[(int(an), 0)] for an in elements.anchor])
-    on_anchor = weights[:, torch.arange(len(elements)), anchor_key]  # (heads, E)
+    # cod_sample puts every position's depth-0 element first, in order: the anchor a's key is element a
+    on_anchor = weights[:, torch.arange(len(elements)), elements.anchor]  # (heads, E)
     uniform = 1.0 / allowed.sum(-1).float()
     result: dict[str, list[float]] = {"mean": [], "best_head": [], "uniform": []}
     for d in range(depths):

@@ -4,7 +4,7 @@ to_json() is eval.json). No vLLM, no MLflow: tested with literal values (tests/t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NotRequired, TypedDict
 
 from peagle_ray.export.speculators import Recommendation
@@ -90,17 +90,7 @@ class SweepResult:
 
     def to_json(self) -> dict:
         """eval.json: the fields, then each algorithm under its name, recommended_k, greedy_mismatches."""
-        out: dict = {
-            "target": self.target,
-            "suite": self.suite,
-            "categories": self.categories,
-            "k_values": self.k_values,
-            "prompts_per_category": self.prompts_per_category,
-            "timing_prompts": self.timing_prompts,
-            "max_new_tokens": self.max_new_tokens,
-            "dtype": self.dtype,
-            "target_only": self.target_only,
-        }
+        out: dict = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "algorithms"}
         out.update({name: a.to_json() for name, a in self.algorithms.items()})
         out["recommended_k"] = self.recommended_k
         out["greedy_mismatches"] = self.greedy_mismatches

@@ -112,13 +112,15 @@ class EpochCache:
             self._file = None
 
     def replay(self) -> Iterator[Record]:
-        from peagle_ray.capture.pipeline import to_record
+        from peagle_ray.capture.pipeline import make_record
 
         assert self._dir is not None, "replay() after complete() said True"
         with open(Path(self._dir.name) / "rows.npy", "rb") as f:
             for _ in range(self.rows):
                 arrays = {key: np.load(f, allow_pickle=False) for key in self.keys}
-                yield to_record({k: a.item() if a.ndim == 0 else a for k, a in arrays.items()})
+                # saved from a Record's tensors: their dtypes already, and freshly read, so no copy is needed
+                tensors = {key: torch.from_numpy(a) for key, a in arrays.items() if a.ndim}
+                yield make_record(str(arrays["sample_id"].item()), str(arrays["split"].item()), tensors.__getitem__)
 
     def _give_up(self) -> None:
         self.close_writing()

@@ -406,8 +406,10 @@ BENCHES = {
     "capture": Bench(
         "capture",
         "run",
-        "Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill on the same sequences, for each "
-        "number of target replicas (placed by capture.max_replicas_per_node), and offline bytes per token.",
+        "Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill on the same sequences (median of 3 "
+        "passes each), for each number of target replicas (placed by capture.max_replicas_per_node): the "
+        "pipeline's start, tokens/s after it, where a request's time goes, bytes per token on the wire and "
+        "offline.",
         ("num_sequences", "seq_len", "replicas"),
         (
             arg("--sequences", dest="num_sequences", type=int),

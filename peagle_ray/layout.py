@@ -22,6 +22,7 @@ ALGORITHMS = ("eagle3", "peagle")
 
 VAL_ACCEPTANCE_LENGTH = "val/acceptance_length"  # the checkpoint score and every table's AL
 VAL_LOSS = "val/loss"
+DATA_WAIT_SHARE = "train/data_wait_share"  # of a worker's time since its first batch, waiting for the next
 VAL_ACCEPTANCE_POS = "val/acceptance_pos_"  # + draft position 1..K
 
 

@@ -3,20 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from peagle_ray.capture.pipeline import (
-    BadCapture,
-    capture_dataset,
-    iter_records,
-    read_offline,
-    read_split,
-    validate_capture,
-    write_offline,
-)
+from peagle_ray.capture.pipeline import capture_dataset, iter_records, read_offline, read_split, write_offline
 from peagle_ray.capture.reference import hf_hidden_states
 from peagle_ray.capture.run import run_capture_offline, samples_to_capture, target_session
+from peagle_ray.capture.stage import BadCapture, validate_capture
 from peagle_ray.config import build_config, with_values
 from peagle_ray.data import run as data_stage
 from peagle_ray.data.prepare import BadRows, PreparedData, TokenizedSample
@@ -60,12 +53,15 @@ def model(tiny_target):
 def test_captured_hidden_states_equal_transformers(session, model):
     cfg, s = session
     ids = list(range(20, 83))
-    captured = s.handle.capture.remote(ids).result()
-    aux, last = validate_capture(np.array(ids), captured, s.num_layers_captured, s.info.hidden_size)
+    answer = s.handle.capture_batch.remote([ids, ids[:30]]).result()  # one request, prefilled together
     hf_aux, hf_last = hf_hidden_states(model, torch.tensor(ids), s.info.default_aux_layer_ids())
-    assert s.info.default_aux_layer_ids() == [2, 3, 5] and aux.shape == (63, 3 * 96)
-    torch.testing.assert_close(aux, hf_aux, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(last, hf_last, atol=1e-4, rtol=1e-4)
+    assert s.info.default_aux_layer_ids() == [2, 3, 5] and s.handle.hidden_dtype.remote().result() == "float32"
+    for n, captured in zip((63, 30), answer["items"], strict=True):
+        aux, last = validate_capture(np.array(ids[:n]), captured, s.num_layers_captured, s.info.hidden_size, "float32")
+        assert aux.shape == (n, 3 * 96) and aux.dtype == np.float32
+        torch.testing.assert_close(torch.from_numpy(aux), hf_aux[:n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.from_numpy(last), hf_last[:n], atol=1e-4, rtol=1e-4)
+    assert answer["timing"]["engine_s"] > 0 and answer["timing"]["read_s"] > 0
     assert s.handle.storage_files.remote().result() == []  # files and locks were cleaned up
 
 
@@ -156,17 +152,40 @@ def test_a_failed_capture_is_one_counted_row(session):
     assert dict(bad.counts) == {"capture_failed": 1} and bad.examples["capture_failed"] == ["too-long"]
 
 
-def test_nan_in_a_hidden_state_file_is_caught(session, tmp_path):
+def test_a_bad_capture_is_named(session):
     _, s = session
     ids = list(range(40, 60))
-    captured = s.handle.capture.remote(ids).result()
-    path = tmp_path / "req.safetensors"
-    hidden = captured["hidden_states"].clone()
-    hidden[7, 1, 3] = float("nan")
-    save_file({"hidden_states": hidden, "token_ids": captured["token_ids"]}, str(path))
-    with pytest.raises(BadCapture, match="non_finite: 1 NaN/Inf values"):
-        validate_capture(np.array(ids), load_file(str(path)), s.num_layers_captured, s.info.hidden_size)
+    captured = s.handle.capture_batch.remote([ids]).result()["items"][0]
+    assert captured["non_finite"] == 0
     with pytest.raises(BadCapture, match="token_mismatch"):
         validate_capture(np.array(ids[::-1]), captured, s.num_layers_captured, s.info.hidden_size)
     with pytest.raises(BadCapture, match=r"bad_shape: expected \(20, 3, 96\)"):
         validate_capture(np.array(ids), captured, 3, s.info.hidden_size)
+    with pytest.raises(BadCapture, match="bad_shape: expected dtype bfloat16; got float32"):
+        validate_capture(np.array(ids), captured, s.num_layers_captured, s.info.hidden_size, "bfloat16")
+
+
+@pytest.mark.slow  # imports vLLM (which starts a subprocess)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_replica_reads_a_connector_file_into_the_wire_format(tmp_path, dtype):
+    """TargetServer's file reading alone (no engine): NaN counted, the target's dtype kept (bfloat16 as its
+    bit pattern), file and lock removed; the pipeline turns it back into the same tensor."""
+    from peagle_ray.capture.pipeline import as_tensor
+    from peagle_ray.capture.target_server import TargetServer
+
+    hidden = torch.randn(5, 4, 8).to(dtype)
+    hidden[2, 1, 3] = float("nan")
+    path = tmp_path / "req.safetensors"
+    save_file({"hidden_states": hidden, "token_ids": torch.arange(5)}, str(path))
+    (tmp_path / "req.safetensors.lock").touch()
+    wire = TargetServer.func_or_class._read(str(path))
+    assert list(tmp_path.iterdir()) == []
+    assert wire["non_finite"] == 1 and wire["dtype"] == str(dtype).removeprefix("torch.")
+    assert wire["hidden_states"].dtype == (np.int16 if dtype == torch.bfloat16 else np.float32)
+    back = as_tensor(wire["hidden_states"], wire["dtype"])
+    assert back.dtype == dtype and torch.equal(back.isnan(), hidden.isnan())
+    assert torch.equal(torch.nan_to_num(back), torch.nan_to_num(hidden))
+    with pytest.raises(BadCapture, match="non_finite: 1 NaN/Inf values"):
+        validate_capture(np.arange(5), wire, 4, 8)
+    aux, last = validate_capture(np.arange(5), {**wire, "non_finite": 0}, 4, 8)
+    assert aux.shape == (5, 24) and last.shape == (5, 8) and aux.dtype == wire["hidden_states"].dtype

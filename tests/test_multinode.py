@@ -169,6 +169,9 @@ def test_bench_capture_measures_one_and_two_replicas_over_the_nodes(cluster, cap
           "replicas ran on", named(cluster, ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")))  # fmt: skip
     assert [r["replicas"] for r in result["by_replicas"]] == [1, 2]
     assert all(r["tokens_per_s"] > 0 for r in result["by_replicas"]) and not result["bad_rows"]
+    for row in result["by_replicas"]:  # where the time went, from the rows' timings
+        assert row["per_request_ms"]["engine"] > 0 and row["first_record_s"] > 0
+        assert row["wire_bytes_per_token"] == 4 * 96 * 4  # 3 aux layers + the last, H 96, float32: no upcast
     replicas = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")
     assert len(replicas) == 3 and set(replicas) == {n.node_id for n in cluster.nodes.values()}
 

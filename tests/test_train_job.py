@@ -221,9 +221,11 @@ class CountingShard:
         yield from self.rows
 
 
-def test_later_epochs_replay_the_first_instead_of_capturing_again(capsys):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_epochs_replay_the_first_instead_of_capturing_again(capsys, dtype):
     import numpy as np
 
+    from peagle_ray.capture.pipeline import as_array
     from peagle_ray.train.worker import cycle_records
 
     def row(i: int, error: str = "") -> dict:  # as capture's Ray Data rows come (numpy, an error column)
@@ -233,8 +235,9 @@ def test_later_epochs_replay_the_first_instead_of_capturing_again(capsys):
             "split": "train",
             "input_ids": np.arange(i + 3),
             "loss_mask": np.ones(i + 3, np.int8),
-            "aux_hidden": np.full((n, 4), i, np.float32),
-            "last_hidden": np.full((n, 2), -i, np.float32),
+            "aux_hidden": as_array(torch.full((n, 4), i + 0.5, dtype=dtype)),  # the target's dtype on the wire
+            "last_hidden": as_array(torch.full((n, 2), -i - 0.25, dtype=dtype)),
+            "hidden_dtype": str(dtype).removeprefix("torch."),
             "error": error,
         }
 
@@ -247,9 +250,16 @@ def test_later_epochs_replay_the_first_instead_of_capturing_again(capsys):
         for got, want in zip(out, good * 3, strict=True):
             assert got["sample_id"] == want["sample_id"] and got["split"] == "train"
             assert torch.equal(got["input_ids"], torch.from_numpy(want["input_ids"]))
-            assert torch.equal(got["aux_hidden"], torch.from_numpy(want["aux_hidden"]))
-            assert got["aux_hidden"].dtype == torch.float32 and got["loss_mask"].dtype == torch.int8
+            i = int(want["sample_id"][1:])
+            assert torch.equal(got["aux_hidden"], torch.full((i + 3, 4), i + 0.5, dtype=dtype))
+            assert torch.equal(got["last_hidden"], torch.full((i + 3, 2), -i - 0.25, dtype=dtype))
+            assert got["loss_mask"].dtype == torch.int8
     assert "epoch 0: capture bad rows: 1 skipped (non_finite 1)" in capsys.readouterr().out
+    from peagle_ray.capture.pipeline import to_record, to_row
+
+    for want in good:  # a record made a row again (online validation's dataset) reads back the same
+        again = to_record(to_row(to_record(want)))
+        assert again["aux_hidden"].dtype == dtype and torch.equal(again["aux_hidden"], to_record(want)["aux_hidden"])
     shard = CountingShard(rows)
     assert len(list(itertools.islice(cycle_records(shard, 3, 1 << 20), 7))) == 7 and shard.streams == 1
 
@@ -365,3 +375,17 @@ def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(work
     steps = [m.step for m in client.get_metric_history(runs["peagle"], "curve/suite_acceptance_length")]
     assert steps == [r["train_tokens"] for r in rows]
     assert "curve/learning_curve.png" in [a.path for a in client.list_artifacts(runs["peagle"], "curve")]
+
+
+def test_data_wait_counts_the_waits_after_the_first_batch(monkeypatch):
+    from peagle_ray.train import worker
+
+    clock = iter([0.0, 5.0, 10.0, 10.5, 20.0, 22.0])  # perf_counter before/after each of three reads
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: next(clock))
+    wait, batches = worker.DataWait(), iter(["a", "b"])
+    assert wait.read(batches) == "a" and wait.first_s == 5.0 and wait.waited == 0.0  # the pipeline starting
+    wait.trained += 4.5
+    assert wait.read(batches) == "b" and wait.waited == 0.5
+    wait.trained += 3.0
+    assert wait.read(batches) is None and wait.waited == 2.5  # waiting for an end is waiting too
+    assert wait.share == 2.5 / (2.5 + 7.5)

@@ -3,10 +3,11 @@
 Shape legend: T tokens, H target hidden size, A = n_aux * H.
 
 Record (one per conversation, the `Record` type below): sample_id, split, input_ids (T,) int64, loss_mask (T,)
-int8, aux_hidden (T, A) and last_hidden (T, H) float32. Records come out of an actor pool (CaptureStage) that sends each batch's
-conversations to the target concurrently, so vLLM batches them. A capture that fails validation (token
-ids differ from the request, NaN/Inf, wrong shape) stays in the stream as an error row and is counted and
-dropped by the consumer, so nothing stops the run.
+int8, aux_hidden (T, A) and last_hidden (T, H) in the target's dtype (float32 is made where training needs
+it). Records come out of an actor pool (CaptureStage, stage.py) that sends each batch's conversations to the
+target in one request, which vLLM prefills together. A capture that fails validation (token ids differ from
+the request, NaN/Inf, wrong shape) stays in the stream as an error row and is counted and dropped by the
+consumer, so nothing stops the run.
 
     online:  iter_records(capture_dataset(samples, ...), bad)        streamed; nothing left on disk
     offline: write_offline(..., out_dir); read_offline(out_dir)      shards + manifest; reruns skip done ids
@@ -27,10 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from peagle_ray.capture.target_server import APP_NAME
+from peagle_ray.capture.stage import WIRE_VIEWS, CaptureStage
 from peagle_ray.data.prepare import BadRows, TokenizedSample
 
-CAPTURE_ERRORS = ("token_mismatch", "non_finite", "bad_shape", "capture_failed")
 MANIFEST = "manifest.json"
 
 
@@ -42,12 +42,11 @@ class Record(TypedDict):
     split: str  # "train" or "validation"
     input_ids: torch.Tensor  # (T,) int64
     loss_mask: torch.Tensor  # (T,) int8: 1 where the token is the assistant's (trained on)
-    aux_hidden: torch.Tensor  # (T, A) float32: the target's aux-layer hidden states, concatenated
-    last_hidden: torch.Tensor  # (T, H) float32: the target's last-layer (pre-norm) hidden state
+    aux_hidden: torch.Tensor  # (T, A) the target's dtype: its aux-layer hidden states, concatenated
+    last_hidden: torch.Tensor  # (T, H) the target's dtype: its last-layer (pre-norm) hidden state
 
 
 SHARD_TENSORS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")  # per record, saved as "<i>.<name>"
-RECORD_DTYPES = {"input_ids": np.int64, "loss_mask": np.int8, "aux_hidden": np.float32, "last_hidden": np.float32}
 
 
 def make_record(sample_id: str, split: str, tensor: Callable[[str], torch.Tensor], prefix: str = "") -> Record:
@@ -60,71 +59,6 @@ def make_record(sample_id: str, split: str, tensor: Callable[[str], torch.Tensor
         aux_hidden=tensor(prefix + "aux_hidden"),
         last_hidden=tensor(prefix + "last_hidden"),
     )
-
-
-class BadCapture(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        assert reason in CAPTURE_ERRORS, reason
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-def validate_capture(
-    input_ids: np.ndarray, captured: dict[str, torch.Tensor], num_layers: int, hidden_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux (T, A), last (T, H)) from a capture of `input_ids`, or BadCapture naming what is wrong."""
-    hidden, token_ids = captured["hidden_states"], captured["token_ids"]
-    t = len(input_ids)
-    if tuple(hidden.shape) != (t, num_layers, hidden_size):
-        raise BadCapture("bad_shape", f"expected {(t, num_layers, hidden_size)}; got {tuple(hidden.shape)}")
-    if token_ids.tolist() != [int(i) for i in input_ids]:
-        raise BadCapture("token_mismatch", "captured token ids differ from the request")
-    if not torch.isfinite(hidden).all():
-        raise BadCapture("non_finite", f"{int((~torch.isfinite(hidden)).sum())} NaN/Inf values")
-    hidden = hidden.float()
-    return hidden[:, :-1].reshape(t, -1), hidden[:, -1]
-
-
-class CaptureStage:
-    """Ray Data actor: captures a batch of conversations through the Serve deployment's handle."""
-
-    def __init__(self, num_layers: int, hidden_size: int, app_name: str = APP_NAME):
-        from ray import serve
-
-        self.handle = serve.get_app_handle(app_name)
-        self.num_layers, self.hidden_size = num_layers, hidden_size
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        responses = [self.handle.capture.remote(ids.tolist()) for ids in batch["input_ids"]]
-        aux_width = (self.num_layers - 1) * self.hidden_size
-        out: dict[str, list] = {
-            "sample_id": [],
-            "split": [],
-            "input_ids": [],
-            "loss_mask": [],
-            "aux_hidden": [],
-            "last_hidden": [],
-            "error": [],
-        }
-        for i, response in enumerate(responses):
-            ids = batch["input_ids"][i]
-            try:
-                try:
-                    captured = response.result()
-                except Exception as err:  # noqa: BLE001  a failed request is one bad row, not a dead run
-                    raise BadCapture("capture_failed", repr(err)[:200]) from err
-                aux, last = validate_capture(ids, captured, self.num_layers, self.hidden_size)
-                error = ""
-            except BadCapture as err:
-                aux, last, error = torch.zeros(0, aux_width), torch.zeros(0, self.hidden_size), err.reason
-            out["sample_id"].append(batch["sample_id"][i])
-            out["split"].append(batch["split"][i])
-            out["input_ids"].append(np.asarray(ids, dtype=np.int64))
-            out["loss_mask"].append(np.asarray(batch["loss_mask"][i], dtype=np.int8))
-            out["aux_hidden"].append(aux.numpy())
-            out["last_hidden"].append(last.numpy())
-            out["error"].append(error)
-        return out
 
 
 def capture_dataset(
@@ -144,7 +78,10 @@ def capture_dataset(
     ]
     if not items:
         raise ValueError("nothing to capture: the prepared data has no samples")
-    return ray.data.from_items(items).map_batches(
+    # a block per batch: each block is one map task, so the actors take batches side by side (from one
+    # block of many batches an actor would capture them one after another while the others wait)
+    blocks = -(-len(items) // batch_size)
+    return ray.data.from_items(items, override_num_blocks=blocks).map_batches(
         CaptureStage,
         fn_constructor_kwargs={"num_layers": num_layers, "hidden_size": hidden_size},
         batch_size=batch_size,
@@ -154,11 +91,37 @@ def capture_dataset(
     )
 
 
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's numpy view; dtypes numpy lacks (bfloat16) as their bit pattern (stage.WIRE_VIEWS)."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    return (tensor.view(getattr(torch, WIRE_VIEWS[name])) if name in WIRE_VIEWS else tensor).numpy()
+
+
+def as_tensor(array: np.ndarray, dtype: str, copy: bool = True) -> torch.Tensor:
+    """A tensor of `dtype` (a torch dtype's name) from a wire array (stage.py), as_array's inverse. `copy`:
+    owning writable memory (Ray Data's arrays may be read-only views of its blocks)."""
+    tensor = torch.from_numpy(np.array(array) if copy else array)
+    return tensor.view(getattr(torch, dtype)) if dtype in WIRE_VIEWS else tensor
+
+
 def to_record(row: dict) -> Record:
-    """A Ray Data row (numpy, possibly read-only) -> a record of torch tensors (copies)."""
+    """A captured Ray Data row (numpy, possibly read-only; stage.py) -> a record of torch tensors (copies); the
+    hidden states stay in the target's dtype."""
+    dtype = str(row["hidden_dtype"])
     return make_record(
-        str(row["sample_id"]), str(row["split"]), lambda k: torch.from_numpy(np.array(row[k], dtype=RECORD_DTYPES[k]))
+        str(row["sample_id"]),
+        str(row["split"]),
+        lambda k: (
+            as_tensor(row[k], dtype) if k in ("aux_hidden", "last_hidden") else torch.from_numpy(np.array(row[k]))
+        ),
     )
+
+
+def to_row(record: Record) -> dict:
+    """to_record's inverse: a record as a captured row of numpy arrays (its hidden states' dtype in
+    hidden_dtype), for a Ray Dataset made from records."""
+    row = {k: as_array(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
+    return {**row, "hidden_dtype": str(record["aux_hidden"].dtype).removeprefix("torch.")}
 
 
 def valid_records(

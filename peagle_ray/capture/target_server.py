@@ -1,32 +1,34 @@
 """The target in Ray Serve: one vLLM engine that regenerates responses and captures hidden states.
 
 The engine runs vLLM's `extract_hidden_states` speculative method with a hidden-states connector (ours on
-CPU, vLLM's stock one on GPU). A capture request is a 1-token generation over the full conversation: the
-connector writes the hidden states of every prompt position to a file on the replica's node; the replica
-reads it, deletes it (and its lock), and returns the tensors through Ray's object store, so capture works
-across nodes without a shared filesystem.
+CPU, vLLM's stock one on GPU). A capture request is a batch of 1-token generations over full conversations,
+which the engine prefills together: the connector writes the hidden states of every prompt position to a file
+on the replica's node; the replica reads each, deletes it (and its lock), and returns the arrays through Ray's
+object store (numpy, zero-copy; see capture/stage.py for the wire format), so capture works across nodes
+without a shared filesystem.
 
     handle = start_target_server(cfg, target_dir)          # serve.run, no HTTP route
-    handle.capture.remote(input_ids).result()             # {"hidden_states": (T, n_layers, H), "token_ids": (T,)}
+    handle.capture_batch.remote([ids, ...]).result()      # {"items": [wire dict per sequence], "timing": {...}}
     handle.generate.remote(prompt_ids, max_tokens, temperature).result()   # generated token ids
     stop_target_server()
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 
-import torch
 from ray import serve
 
+from peagle_ray.capture.stage import APP_NAME
 from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env, use_local_cores
 
-APP_NAME = "peagle-target"
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "peagle_ray.capture.connector")
 GPU_CONNECTOR = ("ExampleHiddenStatesConnector", None)
 
@@ -98,22 +100,48 @@ class TargetServer:
             cleanup_hidden_states(path)
         return tokens
 
-    async def capture(self, input_ids: list[int]) -> dict[str, torch.Tensor]:
-        """Hidden states of every position of `input_ids`: (T, n_layers, H), plus the token ids seen."""
+    def hidden_dtype(self) -> str:
+        """The dtype the captured states travel in: the engine's model dtype, e.g. "float32", "bfloat16"."""
+        return str(self.engine.model_config.dtype).removeprefix("torch.")
+
+    async def capture_batch(self, batch: list[list[int]]) -> dict:
+        """Hidden states of every position of each sequence, prefilled together: {"items": a wire dict per
+        sequence (stage.py; {"error": ...} for one that failed), "timing": {"engine_s", "read_s"}}."""
         from vllm import SamplingParams
+
+        start = time.perf_counter()
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        runs = await asyncio.gather(*(self._run(ids, greedy) for ids in batch), return_exceptions=True)
+        engine_s = time.perf_counter() - start
+        items = await asyncio.to_thread(self._read_all, runs)  # the file locks may block: off the event loop
+        return {"items": items, "timing": {"engine_s": engine_s, "read_s": time.perf_counter() - start - engine_s}}
+
+    def _read_all(self, runs: list) -> list[dict]:
+        return [{"error": repr(run)} if isinstance(run, BaseException) else self._read(run[1]) for run in runs]
+
+    @staticmethod
+    def _read(path: str | None) -> dict:
+        import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
         )
 
-        _, path = await self._run(input_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        from peagle_ray.capture.pipeline import as_array
+
         if path is None:
-            raise RuntimeError("the engine returned no hidden_states_path; is the connector configured?")
+            return {"error": "the engine returned no hidden_states_path; is the connector configured?"}
         try:
             data = load_hidden_states(path)
         finally:
             cleanup_hidden_states(path)
-        return {"hidden_states": data["hidden_states"], "token_ids": data["token_ids"]}
+        hidden = data["hidden_states"]
+        return {
+            "hidden_states": as_array(hidden),  # the target's dtype, bfloat16 as its bit pattern
+            "token_ids": data["token_ids"].numpy(),
+            "non_finite": int((~torch.isfinite(hidden)).sum()),
+            "dtype": str(hidden.dtype).removeprefix("torch."),
+        }
 
     def storage_files(self) -> list[str]:
         """Files the connector left behind (for tests: should be none after each call)."""

@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from peagle_ray import layout
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.train.checkpoint import CHECKPOINT_WEIGHTS, load_drafter_from_checkpoint
@@ -184,6 +182,7 @@ class TrainResult:
     export_dir: str
     checkpoint: str  # the best checkpoint's directory (Ray Train's)
     registered_version: str | None  # the MLflow model version registered for the export, if any
+    data_wait_share: float | None  # of the training time the slowest-fed worker waited for data (last report)
 
 
 def run_training(cfg: PeagleConfig) -> TrainResult:
@@ -219,10 +218,13 @@ def run_training(cfg: PeagleConfig) -> TrainResult:
         export_dir=str(export),
         checkpoint=best.path,
         registered_version=version,
+        data_wait_share=(result.metrics or {}).get(layout.DATA_WAIT_SHARE),
     )
     layout.run_summary(storage, cfg.training.run_name).write_text(json.dumps(asdict(trained), indent=2))
     al = best_metrics.get(layout.VAL_ACCEPTANCE_LENGTH, float("nan"))
     print(f"[train] best step {trained.best_step}: AL {al:.3f}; exported to {export}")
+    if trained.data_wait_share is not None:
+        print(f"[train] the workers waited for data {100 * trained.data_wait_share:.1f}% of the time")
     return trained
 
 
@@ -247,7 +249,7 @@ def _fit_online(cfg: PeagleConfig, plan: WorkerPlan):
     the validation split is captured once up front (every validation measures the same records)."""
     import ray
 
-    from peagle_ray.capture.pipeline import capture_dataset, iter_records
+    from peagle_ray.capture.pipeline import capture_dataset, iter_records, to_row
     from peagle_ray.capture.run import prepared_samples, target_session
     from peagle_ray.data.prepare import BadRows
 
@@ -261,7 +263,7 @@ def _fit_online(cfg: PeagleConfig, plan: WorkerPlan):
             cfg.capture.num_actors,
         )
         rows = iter_records(capture("validation").iter_rows(), BadRows(), desc="capture validation")
-        validation = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in r.items()} for r in rows]
+        validation = [to_row(record) for record in rows]
         return _fit(cfg, plan, capture("train"), ray.data.from_items(validation))
 
 

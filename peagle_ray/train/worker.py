@@ -85,16 +85,20 @@ class EpochCache:
     def __init__(self, limit: int):
         self.limit, self.size, self.rows = limit, 0, 0
         self.keys: list[str] = []  # the first row's, sorted; every row must have the same
+        self.dtypes: dict[str, str] = {}  # the first row's tensors' dtypes (torch names), likewise
         self._dir = tempfile.TemporaryDirectory(prefix="peagle-epoch-cache-") if limit > 0 else None
         self._file = open(Path(self._dir.name) / "rows.npy", "wb") if self._dir else None  # noqa: SIM115
 
     def add(self, row: Record) -> None:
         if self._file is None:
             return
-        arrays = {k: np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
-        self.keys = self.keys or sorted(arrays)
+        from peagle_ray.capture.pipeline import as_array
+
+        arrays = {k: as_array(v) if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in row.items()}
+        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in row.items() if isinstance(v, torch.Tensor)}
+        self.keys, self.dtypes = self.keys or sorted(arrays), self.dtypes or dtypes
         self.size += sum(a.nbytes for a in arrays.values())
-        if self.size > self.limit or sorted(arrays) != self.keys:
+        if self.size > self.limit or sorted(arrays) != self.keys or dtypes != self.dtypes:
             self._give_up()
             return
         for key in self.keys:
@@ -112,14 +116,14 @@ class EpochCache:
             self._file = None
 
     def replay(self) -> Iterator[Record]:
-        from peagle_ray.capture.pipeline import make_record
+        from peagle_ray.capture.pipeline import as_tensor, make_record
 
         assert self._dir is not None, "replay() after complete() said True"
         with open(Path(self._dir.name) / "rows.npy", "rb") as f:
             for _ in range(self.rows):
                 arrays = {key: np.load(f, allow_pickle=False) for key in self.keys}
                 # saved from a Record's tensors: their dtypes already, and freshly read, so no copy is needed
-                tensors = {key: torch.from_numpy(a) for key, a in arrays.items() if a.ndim}
+                tensors = {key: as_tensor(arrays[key], dtype, copy=False) for key, dtype in self.dtypes.items()}
                 yield make_record(str(arrays["sample_id"].item()), str(arrays["split"].item()), tensors.__getitem__)
 
     def _give_up(self) -> None:
@@ -163,19 +167,48 @@ def all_reduce_stats(stats: StepStats, world: int) -> StepStats:
     return stats
 
 
-def step_throughput(positions: int, seconds: float, world: int, device: torch.device) -> dict[str, float]:
-    """Base tokens/s of the whole step (all workers' positions over the slowest worker's time) and the
-    largest per-worker peak memory so far (RSS on CPU, allocated memory on GPU)."""
+def step_throughput(
+    positions: int, seconds: float, world: int, device: torch.device, wait_share: float = 0.0
+) -> dict[str, float]:
+    """Base tokens/s of the whole step (all workers' positions over the slowest worker's time), the largest
+    per-worker peak memory so far (RSS on CPU, allocated memory on GPU) and the largest share of a worker's
+    time so far spent waiting for its data (`wait_share`, see DataWait)."""
     if device.type == "cuda":
         peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     total = torch.tensor([float(positions)], dtype=torch.float64)
-    slowest = torch.tensor([seconds, peak_mb], dtype=torch.float64)
+    slowest = torch.tensor([seconds, peak_mb, wait_share], dtype=torch.float64)
     if world > 1:
         torch.distributed.all_reduce(total)
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    return {"train/tokens_per_s": float(total[0] / slowest[0]), "train/peak_memory_mb": float(slowest[1])}
+    return {
+        "train/tokens_per_s": float(total[0] / slowest[0]),
+        "train/peak_memory_mb": float(slowest[1]),
+        layout.DATA_WAIT_SHARE: float(slowest[2]),
+    }
+
+
+class DataWait:
+    """How long the loop waits for its next batch against the time it trains: the share of the run since the
+    first batch spent waiting (the first batch's wait, the data pipeline starting, is kept apart)."""
+
+    def __init__(self) -> None:
+        self.first_s: float | None = None
+        self.waited, self.trained = 0.0, 0.0
+
+    def read(self, batches: Iterator):
+        start = time.perf_counter()
+        batch = next(batches, None)
+        if self.first_s is None:
+            self.first_s = time.perf_counter() - start
+        else:
+            self.waited += time.perf_counter() - start
+        return batch
+
+    @property
+    def share(self) -> float:
+        return self.waited / max(self.waited + self.trained, 1e-9)
 
 
 def broadcast_from_rank0(value: dict, world: int) -> dict:
@@ -364,11 +397,14 @@ def train_worker(config: dict) -> None:
     batches = full_batches(records, tcfg.sequences_per_step)
     if tcfg.crash_once_at_step is not None and r.rank == min(1, r.world - 1):
         batches = failing_once(batches, r.state["step"], tcfg.crash_once_at_step, Path(plan.crash_marker))
-    batch = next(batches, None)
+    wait = DataWait()
+    batch = wait.read(batches)
+    if r.rank == 0:
+        print(f"[train] first batch after {wait.first_s:.1f} s (the data pipeline starting)", flush=True)
     for step in range(r.state["step"], tcfg.max_steps):
         if batch is None:
             break  # data exhausted (epochs done); equal shares end every rank together
-        next_batch = next(batches, None)  # read ahead: the step before the data runs out is a last step too
+        next_batch = wait.read(batches)  # read ahead: the step before the data runs out is a last step too
         started = time.perf_counter()
         stats = train_step(
             r.drafter,
@@ -381,7 +417,9 @@ def train_worker(config: dict) -> None:
             r.generator,
             reduce_grads=lambda grads: all_reduce_mean(grads, r.world),
         )
-        speed = step_throughput(stats.positions, time.perf_counter() - started, r.world, r.device)
+        step_s = time.perf_counter() - started
+        wait.trained += step_s
+        speed = step_throughput(stats.positions, step_s, r.world, r.device, wait.share)
         metrics = step_metrics(r, all_reduce_stats(stats, r.world), speed)
         if step % tcfg.log_every == 0:
             log(step, metrics)

@@ -91,9 +91,14 @@ def capture_dataset(
     )
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": how the wire format (stage.py) and the rows name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def as_array(tensor: torch.Tensor) -> np.ndarray:
     """A tensor's numpy view; dtypes numpy lacks (bfloat16) as their bit pattern (stage.WIRE_VIEWS)."""
-    name = str(tensor.dtype).removeprefix("torch.")
+    name = dtype_name(tensor.dtype)
     return (tensor.view(getattr(torch, WIRE_VIEWS[name])) if name in WIRE_VIEWS else tensor).numpy()
 
 
@@ -121,7 +126,7 @@ def to_row(record: Record) -> dict:
     """to_record's inverse: a record as a captured row of numpy arrays (its hidden states' dtype in
     hidden_dtype), for a Ray Dataset made from records."""
     row = {k: as_array(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
-    return {**row, "hidden_dtype": str(record["aux_hidden"].dtype).removeprefix("torch.")}
+    return {**row, "hidden_dtype": dtype_name(record["aux_hidden"].dtype)}
 
 
 def valid_records(

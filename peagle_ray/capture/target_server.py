@@ -102,7 +102,9 @@ class TargetServer:
 
     def hidden_dtype(self) -> str:
         """The dtype the captured states travel in: the engine's model dtype, e.g. "float32", "bfloat16"."""
-        return str(self.engine.model_config.dtype).removeprefix("torch.")
+        from peagle_ray.capture.pipeline import dtype_name
+
+        return dtype_name(self.engine.model_config.dtype)
 
     async def capture_batch(self, batch: list[list[int]]) -> dict:
         """Hidden states of every position of each sequence, prefilled together: {"items": a wire dict per
@@ -127,7 +129,7 @@ class TargetServer:
             load_hidden_states,
         )
 
-        from peagle_ray.capture.pipeline import as_array
+        from peagle_ray.capture.pipeline import as_array, dtype_name
 
         if path is None:
             return {"error": "the engine returned no hidden_states_path; is the connector configured?"}
@@ -140,7 +142,7 @@ class TargetServer:
             "hidden_states": as_array(hidden),  # the target's dtype, bfloat16 as its bit pattern
             "token_ids": data["token_ids"].numpy(),
             "non_finite": int((~torch.isfinite(hidden)).sum()),
-            "dtype": str(hidden.dtype).removeprefix("torch."),
+            "dtype": dtype_name(hidden.dtype),
         }
 
     def storage_files(self) -> list[str]:

@@ -92,10 +92,10 @@ class EpochCache:
     def add(self, row: Record) -> None:
         if self._file is None:
             return
-        from peagle_ray.capture.pipeline import as_array
+        from peagle_ray.capture.pipeline import as_array, dtype_name
 
         arrays = {k: as_array(v) if isinstance(v, torch.Tensor) else np.asarray(v) for k, v in row.items()}
-        dtypes = {k: str(v.dtype).removeprefix("torch.") for k, v in row.items() if isinstance(v, torch.Tensor)}
+        dtypes = {k: dtype_name(v.dtype) for k, v in row.items() if isinstance(v, torch.Tensor)}
         self.keys, self.dtypes = self.keys or sorted(arrays), self.dtypes or dtypes
         self.size += sum(a.nbytes for a in arrays.values())
         if self.size > self.limit or sorted(arrays) != self.keys or dtypes != self.dtypes:

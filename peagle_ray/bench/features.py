@@ -167,8 +167,9 @@ def attention_on_anchor(drafter, seq, depths: int) -> dict[str, list[float]]:
         hook.remove()
     a = attn.arch
     with torch.no_grad():
-        q = rotate(attn.q_proj(seen["x"]).view(-1, a.num_heads, a.head_dim), seen["positions"], a.rope_theta)
-        k = rotate(attn.k_proj(seen["x"]).view(-1, a.num_kv_heads, a.head_dim), seen["positions"], a.rope_theta)
+        rope = (seen["positions"], attn.inv_freq, attn.rope_scale)
+        q = rotate(attn.q_proj(seen["x"]).view(-1, a.num_heads, a.head_dim), *rope)
+        k = rotate(attn.k_proj(seen["x"]).view(-1, a.num_kv_heads, a.head_dim), *rope)
         k = k.repeat_interleave(a.num_heads // a.num_kv_heads, dim=1)
         allowed = attention_mask(elements, elements, seq.doc_ids)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(a.head_dim)

@@ -21,7 +21,7 @@ from peagle_ray.config import PeagleConfig
 from peagle_ray.data import run as data_stage
 from peagle_ray.data.prepare import BadRows, PreparedData, TokenizedSample
 from peagle_ray.data.sources import check_sources
-from peagle_ray.target import TargetInfo, read_target_info, resolve_target_path
+from peagle_ray.target import TargetInfo, drafter_target
 
 CAPTURE_SUMMARY = "capture_summary.json"
 
@@ -35,7 +35,7 @@ class TargetSession:
 
 @contextmanager
 def target_session(cfg: PeagleConfig) -> Iterator[TargetSession]:
-    info = read_target_info(resolve_target_path(cfg))
+    info = drafter_target(cfg)  # refused here, before the engine starts, when no drafter can be trained for it
     ensure_ray()
     print(f"[capture] starting the target in Ray Serve: {info.path} (first start takes ~30-60 s on CPU)")
     handle = start_target_server(cfg, info.path, info.num_layers)

@@ -12,7 +12,7 @@ from typing import Any
 from peagle_ray.config import PeagleConfig
 from peagle_ray.data.prepare import BadRows, PreparedData, prepare_samples, write_prepared
 from peagle_ray.data.sources import PromptWriter, is_magpie, magpie_prefix, read_conversations
-from peagle_ray.target import read_target_info, resolve_target_path
+from peagle_ray.target import drafter_target, read_target_info
 
 
 def needs_target(cfg: PeagleConfig) -> bool:
@@ -27,7 +27,7 @@ def run(cfg: PeagleConfig, target: Any = None) -> PreparedData:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    target_dir = resolve_target_path(cfg)
+    target_dir = drafter_target(cfg).path  # a target no drafter can be trained for is refused before any work
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=cfg.target.trust_remote_code)
     bad = BadRows()
     if needs_target(cfg) and target is None:

@@ -1,7 +1,7 @@
 """Build a drafter (and the frozen teacher head) from a target directory.
 
-Shapes (H, heads, head_dim, intermediate size, rope, norm eps) come from the target's config.json; the
-drafter's embed_tokens and lm_head rows, and the teacher's norm and head, come from the target's
+Shapes (H, heads, head_dim, intermediate size, rope type and parameters, norm eps) come from the target's
+config.json; the drafter's embed_tokens and lm_head rows, and the teacher's norm and head, come from the target's
 safetensors (tied embeddings: lm_head is embed_tokens). Everything else is initialised from an explicit
 seeded generator.
 """
@@ -17,16 +17,7 @@ from peagle_ray.config import ConfigError, DrafterConfig
 from peagle_ray.drafter.model import Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.drafter.vocab import MaskToken, draft_vocabulary, resolve_mask_token
-from peagle_ray.target import text_config
-
-
-def rope_theta(cfg: dict) -> float:
-    """The target's rope base; only plain ('default') rope is supported by the drafter."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"target rope_type must be 'default' for the drafter; got {rope_type!r}")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+from peagle_ray.target import drafter_rope, text_config
 
 
 def arch_from_target(
@@ -35,6 +26,8 @@ def arch_from_target(
     cfg = text_config(target_dir)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
+    rope = drafter_rope(cfg, f"target {target_dir}/config.json")
+    theta = float(rope.pop("rope_theta"))
     return DrafterArch(
         algorithm=drafter.algorithm,
         num_depths=drafter.trained_depths,
@@ -47,10 +40,11 @@ def arch_from_target(
         vocab_size=cfg["vocab_size"],
         draft_vocab_size=draft_vocab_size or cfg["vocab_size"],
         num_aux=num_aux,
-        rope_theta=rope_theta(cfg),
+        rope_theta=theta,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         mask_token_id=mask_token_id if drafter.algorithm == "peagle" else None,
         norm_before_residual=drafter.norm_before_residual,
+        rope_scaling=rope if rope["rope_type"] != "default" else None,
     )
 
 

@@ -50,6 +50,9 @@ class DrafterArch:
     rms_norm_eps: float
     mask_token_id: int | None  # P-EAGLE only
     norm_before_residual: bool = False
+    rope_scaling: dict | None = None
+    """The target's rope beyond its base, e.g. Llama-3.1's {"rope_type": "llama3", "factor": 8.0, ...};
+    None for plain rope. target.drafter_rope checked it; `rope_parameters` adds rope_theta."""
 
     def __post_init__(self):
         if self.algorithm not in ("peagle", "eagle3"):
@@ -60,6 +63,13 @@ class DrafterArch:
             raise ValueError(f"mask_token_id must be in [0, {self.vocab_size}); got {self.mask_token_id}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}; got {self.draft_vocab_size}")
+        if self.rope_scaling is not None and "rope_theta" in self.rope_scaling:
+            raise ValueError(f"rope_scaling must not repeat rope_theta (a field of its own); got {self.rope_scaling}")
+
+    @property
+    def rope_parameters(self) -> dict:
+        """The rope as transformers 5 and vLLM read it from a config: {rope_type, rope_theta, ...}."""
+        return {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -81,13 +91,37 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (HF/vLLM 'default' rope, half-split layout) of x (E, n, hd) at `positions` (E,)."""
+def rope_frequencies(arch: DrafterArch) -> tuple[torch.Tensor, float]:
+    """(inv_freq (hd/2,) float32, scale of cos and sin) of the arch's rope. Plain rope is theta^(-2i/hd); the
+    scaled types (llama3, yarn, linear) come from transformers' own initialisers, the ones HF's Llama uses,
+    so the numbers are those of the target's family; yarn's scale is its attention factor (1.0 otherwise)."""
+    params = arch.rope_parameters
+    if params["rope_type"] == "default":
+        exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.float32, device="cpu") / arch.head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # a context as long as the scaling implies (else transformers warns that yarn's factor disagrees with it)
+    context = int(params.get("original_max_position_embeddings", 2048) * params.get("factor", 1.0))
+    config = LlamaConfig(
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=context,
+        rope_parameters=dict(params),
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Rotary embedding (HF/vLLM neox layout: halves rotated) of x (E, n, hd) at `positions` (E,), with the
+    frequencies `inv_freq` (hd/2,) and cos/sin scaled by `scale` (rope_frequencies)."""
     hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (E, hd/2)
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :].to(x.dtype)  # (E, 1, hd)
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :].to(x.dtype)
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device, torch.float32)[None, :]  # (E, hd/2)
+    cos = (torch.cat([angles.cos(), angles.cos()], -1) * scale)[:, None, :].to(x.dtype)  # (E, 1, hd)
+    sin = (torch.cat([angles.sin(), angles.sin()], -1) * scale)[:, None, :].to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -126,14 +160,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, nkv * hd, bias=False)
         self.v_proj = nn.Linear(in_dim, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, arch.hidden_size, bias=False)
+        # a plain attribute, not a buffer: float32 whatever dtype the module is cast to (rotate moves it)
+        self.inv_freq, self.rope_scale = rope_frequencies(arch)
 
     def forward(self, x, positions, mask, past_kv, query_start: int):
         """x (R, in) rows -> output for rows[query_start:], and (k, v) of all R rows (for later reuse)."""
         a = self.arch
-        k = rotate(self.k_proj(x).view(-1, a.num_kv_heads, a.head_dim), positions, a.rope_theta)
+        k = rotate(self.k_proj(x).view(-1, a.num_kv_heads, a.head_dim), positions, self.inv_freq, self.rope_scale)
         v = self.v_proj(x).view(-1, a.num_kv_heads, a.head_dim)
         xq = x[query_start:]
-        q = rotate(self.q_proj(xq).view(-1, a.num_heads, a.head_dim), positions[query_start:], a.rope_theta)
+        q = self.q_proj(xq).view(-1, a.num_heads, a.head_dim)
+        q = rotate(q, positions[query_start:], self.inv_freq, self.rope_scale)
         keys, values = (k, v) if past_kv is None else (torch.cat([past_kv[0], k]), torch.cat([past_kv[1], v]))
         out = attend(q, keys, values, mask)  # (E, nh, hd)
         return self.o_proj(out.reshape(out.shape[0], -1)), (k, v)

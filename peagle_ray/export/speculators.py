@@ -68,7 +68,7 @@ def speculators_config(
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": arch.rope_theta},
+        "rope_parameters": arch.rope_parameters,  # vLLM's get_rope builds the drafter's rotary from it
         "rope_theta": arch.rope_theta,
         "attention_bias": False,
         "mlp_bias": False,

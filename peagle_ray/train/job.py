@@ -45,9 +45,9 @@ def check_inputs(cfg: PeagleConfig) -> TrainInputs:
     """Fail fast, before any worker starts: target, prepared data and (offline) captured shards must exist."""
     from peagle_ray.capture.pipeline import read_manifest
     from peagle_ray.data.prepare import PreparedData
-    from peagle_ray.target import read_target_info, resolve_target_path
+    from peagle_ray.target import drafter_target
 
-    info = read_target_info(resolve_target_path(cfg))
+    info = drafter_target(cfg)
     data_dir = Path(cfg.data.output_dir)
     data = PreparedData.read(data_dir) if PreparedData.exists(data_dir) else None
     if data is None or not data.token_counts_file.is_file():

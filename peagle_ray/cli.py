@@ -61,6 +61,12 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        from peagle_ray.train.plan import plan_training
+
+        plan = plan_training(_config(args), args.target_config)
+        print(plan.render(args.gpu_memory_gib))
+        return 0
     from peagle_ray.train.job import run_training
 
     print(json.dumps(asdict(run_training(_config(args))), indent=2))
@@ -265,9 +271,30 @@ COMMANDS = [
         "train",
         SUBCOMMANDS["train"],
         _cmd_train,
+        (
+            arg(
+                "--dry-run",
+                action="store_true",
+                help="Train nothing: from the config and the target's config.json alone (no weights, data or "
+                "Ray), print the drafter's trained and frozen parameters, the bytes per worker for weights, "
+                "optimizer, gradients and activations at data.max_length and K (partitioned and whole), the "
+                "worker plan, and the settings refused for that shape.",
+            ),
+            arg(
+                "--target-config",
+                type=Path,
+                help="With --dry-run: a directory holding the target's config.json (default: target.path).",
+            ),
+            arg(
+                "--gpu-memory-gib",
+                type=float,
+                default=80.0,
+                help="With --dry-run: memory per GPU the partitioned peak must fit in (default 80, an H100).",
+            ),
+        ),
         description="Uses prepared data (and offline shards when capture.mode is offline; online mode captures "
         "while training). Starts a local MLflow server when tracking.tracking_uri is unset; re-running the "
-        "same training.run_name resumes.",
+        "same training.run_name resumes. --dry-run plans the run instead (memory per worker, nothing loaded).",
     ),
     Command(
         "export",
@@ -387,6 +414,22 @@ BENCHES = {
             arg("--memory-limit-gb", type=float, help="Stop a configuration past this RSS."),
             arg("--freeze-lm-head", action="store_const", const=True, help="Measure with the draft lm_head frozen."),
             arg("--bf16", action="store_const", const=True, help="Under bfloat16 autocast (training.precision)."),
+        ),
+        ("progress",),
+    ),
+    "step-table": Bench(
+        "step_table",
+        "run",
+        "One P-EAGLE training step at real drafter shapes (Qwen3-8B, Llama-3.1-8B; `tiny` rehearses on CPU): "
+        "ours with compiled flex attention (CUDA) and SDPA, the reference trainer where installed; tokens/s, "
+        "peak memory and the dry run's estimate, each trainer in its own process (scripts/gpu_check.sh).",
+        ("shapes", "seq_lens", "layers", "segment_length", "timeout_s"),
+        (
+            arg("--shapes", nargs="+", help="Shapes (bench/step_table.py SHAPES): qwen3-8b, llama3.1-8b, tiny."),
+            arg("--seq-lens", type=int, nargs="+", help="Positions per sequence."),
+            arg("--layers", type=int, help="Drafter layers."),
+            arg("--segment-length", type=int, help="Elements per partition segment."),
+            arg("--timeout-s", type=float, help="Seconds each (shape, trainer, attention) process may run."),
         ),
         ("progress",),
     ),

@@ -57,9 +57,11 @@ def reference_available() -> bool:
     return importlib.util.find_spec("speculators") is not None
 
 
-def build_reference(target_dir: Path, like, aux_layer_ids: list[int]):
-    """speculators' PEagleDraftModel for the target, with `like`'s (our drafter's) draft vocabulary, mask
-    token, K and layer count, initialised by speculators itself (its mask_hidden, its HF layer init)."""
+def build_reference(target_dir: Path, like, aux_layer_ids: list[int], attention: str = "sdpa"):
+    """speculators' PEagleDraftModel for the target, with `like`'s (our drafter's, or anything with its arch,
+    d2t and t2d) draft vocabulary, mask token, K and layer count, initialised by speculators itself (its
+    mask_hidden, its HF layer init). `attention`: sdpa (the CPU patch), or its GPU default
+    simple_flex_attention."""
     from loguru import logger
     from speculators.models.peagle.core import PEagleDraftModel
     from transformers import AutoConfig
@@ -79,14 +81,14 @@ def build_reference(target_dir: Path, like, aux_layer_ids: list[int]):
         mask_token_id=arch.mask_token_id,
         num_depths=arch.num_depths,
         norm_before_residual=arch.norm_before_residual,
-        draft_attn_impl="sdpa",  # the CPU patch: flex attention is their (compiled, GPU) default
+        draft_attn_impl=attention,
     )
 
 
-def reference_loss(model, seq, cfg: PeagleConfig):
+def reference_loss(model, seq, cfg: PeagleConfig, implementation: str = "eager"):
     """speculators' training forward on one of our training sequences (already shifted to positions: token,
     aux hidden, supervised flag and teacher hidden of position p, as their data collator lays them out);
-    returns (loss, metrics)."""
+    returns (loss, metrics). `implementation` of its KL loss: eager, or fused (Triton: GPU)."""
     from speculators.losses import resolve_loss_config
 
     _, loss, metrics = model(
@@ -95,7 +97,7 @@ def reference_loss(model, seq, cfg: PeagleConfig):
         document_ids=seq.doc_ids[None],
         loss_mask=seq.supervised[None].float(),
         verifier_last_hidden_states=seq.teacher_hidden[None],
-        loss_config=resolve_loss_config("kl_div", "eager"),  # their fused loss needs Triton (GPU)
+        loss_config=resolve_loss_config("kl_div", implementation),
         num_depths=cfg.drafter.trained_depths,
         down_sample_ratio=cfg.drafter.cod_keep_ratio,
         down_sample_ratio_min=cfg.drafter.cod_min_ratio,

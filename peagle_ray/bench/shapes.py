@@ -12,6 +12,7 @@ from peagle_ray.drafter.build import arch_from_target
 from peagle_ray.drafter.model import Algorithm, Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.target import read_target_info
+from peagle_ray.tiny_target import LLAMA3_ROPE
 from peagle_ray.train.elements import TrainSequence
 
 # SmolLM2-135M-Instruct's shape (from the embedded target's config.json), kept here so the shape benchmarks
@@ -27,6 +28,44 @@ SMOLLM2_SHAPE: dict[str, Any] = dict(
     rope_theta=100000.0,
     rms_norm_eps=1e-5,
 )
+
+
+# The drafter shapes of released targets (config.json's width, heads and vocabulary; bench step-table)
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2": SMOLLM2_SHAPE,
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "llama3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+        rms_norm_eps=1e-5,
+    ),
+    # the CPU rehearsal (tests/test_gpu_check.py): odd, tiny, flex's fused kernel wants head_dim >= 16
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=1031,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    ),
+}
 
 
 def bench_arch(

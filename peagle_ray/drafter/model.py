@@ -111,7 +111,8 @@ def rope_frequencies(arch: DrafterArch) -> tuple[torch.Tensor, float]:
         max_position_embeddings=context,
         rope_parameters=dict(params),
     )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    with torch.device("cpu"):  # real numbers even while a drafter is built on the meta device (a dry run)
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
 

@@ -98,12 +98,15 @@ def sequence_backward(
     boundaries: list[int] | None = None,
     backward: bool = True,
     bf16: bool = False,
+    use_flex: bool | None = None,
 ) -> StepStats:
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
     With backward=False it only measures (validation): no graph is built.
 
     `boundaries` overrides the balanced split (tests use it for uneven splits).
     Runs on the drafter's device; `bf16` turns on bfloat16 autocast (the loss's softmax stays float32).
+    Attention is compiled flex on CUDA and SDPA with a dense mask elsewhere; `use_flex` overrides that
+    (the GPU benchmark measures SDPA on CUDA too).
     """
     k = drafter.arch.num_depths
     weights = element_weights(elements, seq, k, depth_weights) * scale
@@ -112,7 +115,7 @@ def sequence_backward(
         boundaries = balanced_boundaries(elements, seq.num_positions, segment_length)
     segments = partition(elements, seq.doc_ids, boundaries)
     device = drafter.embed_tokens.weight.device  # bookkeeping stays on the CPU; the math runs on `device`
-    use_flex = device.type == "cuda"
+    use_flex = device.type == "cuda" if use_flex is None else use_flex
     tokens, hidden, teacher_hidden = (t.to(device) for t in (seq.tokens, seq.hidden, seq.teacher_hidden))
     key = lambda e: e.anchor * k + e.depth  # noqa: E731  unique id of an element
     index_of = torch.full((seq.num_positions * k,), -1, dtype=torch.long)

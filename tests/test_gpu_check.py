@@ -1,0 +1,37 @@
+"""scripts/gpu_check.sh cannot rot between lent GPUs: the same script rehearsed on the CPU at the tiny shape
+(its gpu tests skip without CUDA; the step table runs ours with SDPA and the reference trainer)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_check_rehearses_on_the_cpu(tmp_path):
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "GPU_CHECK_SHAPES": "tiny",
+        "GPU_CHECK_SEQ_LENS": "64 256",
+        "GPU_CHECK_SEGMENT": "128",
+    }
+    out = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "cpu (rehearsal)" in (tmp_path / "env.txt").read_text()
+    assert "skipped" in (tmp_path / "gpu_tests.txt").read_text()  # the gpu tier, collected and skipped
+    table = json.loads((tmp_path / "step_table.json").read_text())
+    rows = {(r["trainer"], r["seq_len"]): r for r in table["rows"]}
+    assert set(rows) == {(trainer, n) for trainer in ("ours", "reference") for n in (64, 256)}
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["peak_gib"] > 0, row
+    assert rows[("ours", 256)]["segments"] > 1 and rows[("ours", 256)]["estimate_gib"] > 0  # partitioned
+    assert "| tiny | 256 | ours | sdpa |" in (tmp_path / "step_table.md").read_text()

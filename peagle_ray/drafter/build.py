@@ -24,9 +24,22 @@ def arch_from_target(
     target_dir: Path, drafter: DrafterConfig, draft_vocab_size: int | None, mask_token_id: int | None, num_aux: int
 ) -> DrafterArch:
     cfg = text_config(target_dir)
+    rope = drafter_rope(cfg, f"target {target_dir}/config.json")
+    return arch_from_config(cfg, rope, drafter, draft_vocab_size, mask_token_id, num_aux)
+
+
+def arch_from_config(
+    cfg: dict,
+    rope: dict,
+    drafter: DrafterConfig,
+    draft_vocab_size: int | None,
+    mask_token_id: int | None,
+    num_aux: int,
+) -> DrafterArch:
+    """The drafter's arch from the target's config.json fields `cfg` and its checked rope (drafter_rope)."""
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
-    rope = drafter_rope(cfg, f"target {target_dir}/config.json")
+    rope = dict(rope)
     theta = float(rope.pop("rope_theta"))
     return DrafterArch(
         algorithm=drafter.algorithm,

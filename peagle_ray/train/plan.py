@@ -37,6 +37,7 @@ import torch
 
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.drafter.model import DrafterArch
+from peagle_ray.train.loss import LOSS_CHUNK
 
 FP32 = 4
 ADAMW_STEP_TEMPORARIES = 1.5
@@ -109,12 +110,13 @@ class MemoryEstimate:
     inputs: int  # one sequence's hidden states
     activations: int  # the largest segment's saved tensors + the loss's arrays
     step: int  # AdamW's temporaries during optimizer.step
-    partitioned: bool  # whether the gradients of earlier segments are held during a later one
+    shape: SegmentShape  # the sequence's elements and its largest segment
 
     @property
     def peak(self) -> int:
         static = self.weights + self.optimizer + self.inputs
-        during_forward = static + self.activations + (self.gradients if self.partitioned else 0)
+        # partitioned, the gradients of the earlier segments are held while a later one runs
+        during_forward = static + self.activations + (self.gradients if self.shape.segments > 1 else 0)
         return max(during_forward, static + self.gradients + self.step)
 
 
@@ -126,14 +128,13 @@ class TrainPlan:
     frozen_parameters: int
     positions: int  # N
     segment_length: int  # training.segment_length
-    shape: SegmentShape  # with partitioning
     partitioned: MemoryEstimate
     whole: MemoryEstimate  # one segment per sequence
     workers: str
     refused: list[str] = field(default_factory=list)
 
     def render(self, gpu_memory_gib: float | None = None) -> str:
-        a, s = self.arch, self.shape
+        a, s = self.arch, self.partitioned.shape
         gib = lambda b: f"{b / 2**30:,.2f} GiB"  # noqa: E731
         rows = [
             f"target        {self.target}",
@@ -186,8 +187,6 @@ def estimate_memory(
     shape = SegmentShape.of(positions, elements, segment_length)
     bf16 = cfg.training.precision == "bfloat16"
     dense_mask = not cfg.training.use_gpu  # flex attention on CUDA
-    from peagle_ray.train.loss import LOSS_CHUNK
-
     activations = activation_bytes(arch, shape.own, shape.own + shape.context, dense_mask, bf16) + loss_bytes(
         arch, shape.own, LOSS_CHUNK, not d.freeze_lm_head
     )
@@ -201,25 +200,26 @@ def estimate_memory(
         inputs=inputs,
         activations=activations + autocast_copies,
         step=round(ADAMW_STEP_TEMPORARIES * trained * FP32),
-        partitioned=shape.segments > 1,
+        shape=shape,
     )
 
 
 def plan_training(cfg: PeagleConfig, target_dir: str | Path | None = None) -> TrainPlan:
     """The dry run: everything from cfg and `target_dir`/config.json (default target.path), nothing loaded.
     What the run would refuse is listed in `refused` instead of raised, so the whole plan still prints."""
-    from peagle_ray.drafter.build import arch_from_target
+    from peagle_ray.drafter.build import arch_from_config
     from peagle_ray.target import TargetInfo, drafter_rope, read_target_info, text_config
 
     target = Path(target_dir or cfg.target.path or "")
     if not (target / "config.json").is_file():
         raise FileNotFoundError(f"target.path must be a directory with a config.json for a dry run; got {target}")
     info: TargetInfo = read_target_info(target)
-    refused = []
+    fields, refused = text_config(target), []
     try:
-        drafter_rope(text_config(target), f"target {target}/config.json")
+        rope = drafter_rope(fields, f"target {target}/config.json")
     except ConfigError as err:
         refused.append(str(err))
+        rope = {"rope_type": "default", "rope_theta": 10000.0}  # the shapes are planned all the same
     try:
         num_aux = len(info.aux_layer_ids(cfg.capture.aux_layer_ids))
     except ConfigError as err:
@@ -232,18 +232,12 @@ def plan_training(cfg: PeagleConfig, target_dir: str | Path | None = None) -> Tr
             f"drafter.draft_vocab_size = {cfg.drafter.draft_vocab_size} exceeds the target's vocabulary "
             f"({info.vocab_size})"
         )
-    cfg_text = text_config(target)
-    plain = {k: v for k, v in cfg_text.items() if k not in ("rope_parameters", "rope_scaling")}
-    rope_ok = not any("rope" in r or "rotary" in r for r in refused)
-    source = target if rope_ok else _plain_rope_copy(plain)
     draft_vocab = min(cfg.drafter.draft_vocab_size or info.vocab_size, info.vocab_size)
-    arch = arch_from_target(source, cfg.drafter, draft_vocab, info.vocab_size - 1, num_aux)
+    arch = arch_from_config(fields, rope, cfg.drafter, draft_vocab, info.vocab_size - 1, num_aux)
     trained, frozen, buffers = count_parameters(arch, cfg)
     n, seg = cfg.data.max_length, cfg.training.segment_length
     partitioned = estimate_memory(arch, cfg, n, seg, trained, frozen, buffers)
     whole = estimate_memory(arch, cfg, n, 10**12, trained, frozen, buffers)
-    d = cfg.drafter
-    elements = round(n * elements_per_position(arch.num_depths, d.cod_keep_ratio, d.cod_min_ratio))
     t = cfg.training
     device = "1 GPU" if t.use_gpu else f"{t.cpus_per_worker} CPU(s)"
     workers = (
@@ -257,19 +251,8 @@ def plan_training(cfg: PeagleConfig, target_dir: str | Path | None = None) -> Tr
         frozen,
         n,
         seg,
-        SegmentShape.of(n, elements, seg),
         partitioned,
         whole,
         workers,
         refused,
     )
-
-
-def _plain_rope_copy(config: dict) -> Path:
-    """A temporary config.json with the rope removed, so a refused rope still lets the shapes be planned."""
-    import json
-    import tempfile
-
-    directory = Path(tempfile.mkdtemp(prefix="peagle-plan-"))
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory

@@ -78,7 +78,7 @@ def drafter_rope(cfg: dict, source: str = "the target's config.json") -> dict:
             f"{source}: rope_parameters.rope_type = {rope_type!r} is not supported by the drafter (its rotary "
             f"embedding must not depend on the sequence length); supported: {list(DRAFTER_ROPE_TYPES)}"
         )
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    partial = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
     if partial != 1.0 or "mrope_section" in params:
         what = f"partial_rotary_factor = {partial}" if partial != 1.0 else f"mrope_section = {params['mrope_section']}"
         raise ConfigError(f"{source}: {what} is not supported by the drafter (it rotates whole heads)")

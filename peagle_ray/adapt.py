@@ -22,8 +22,10 @@ promoted. Everything lands in <storage>/adapt/<time>/adapt.json and the adaptati
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,60 @@ from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
 if TYPE_CHECKING:
     from peagle_ray.eval.metrics import Row
     from peagle_ray.export.speculators import Recommendation
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One drafter version as judge measured it at the served K: its overall row on the held-out traffic and
+    on adapt.general_suite, and the suite's AL per category (for the spread of a loss)."""
+
+    heldout: Row
+    general: Row
+    general_by_category: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"heldout": self.heldout, "general": {**self.general, "by_category": self.general_by_category}}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Promote or not (decide): the held-out AL gain, the general suite's AL loss, and why."""
+
+    gain: float
+    regression: float
+    promote: bool
+    why: str
+
+
+@dataclass
+class AdaptReport:
+    """One adaptation (adapt.json is its to_json()): the versions, the K served, the samples trained and held
+    out, each version judged, the verdict, whether the new version drafts when served (and why), where it is."""
+
+    registered_model: str
+    parent_version: str
+    version: str | None  # None: not registered
+    k: int
+    samples: dict[str, int]  # {"train", "validation"}: recorded requests
+    train_steps: int
+    measured: dict[str, Judged]  # "parent", "new"
+    verdict: Verdict
+    drafts: bool  # served with its drafter (False: the target alone), and why: recommendation
+    recommendation: str
+    export_dir: str
+    run_id: str
+    swapped: bool = False
+    json: str = ""  # adapt.json
+
+    @property
+    def promote(self) -> bool:
+        return self.verdict.promote
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("measured", "verdict", "swapped", "json")}
+        out["measured"] = {who: judged.to_json() for who, judged in self.measured.items()}
+        out.update(asdict(self.verdict), swapped=self.swapped)
+        return out
 
 
 def registered_name(cfg: PeagleConfig) -> str:
@@ -67,7 +123,6 @@ def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, u
             "capture.output_dir": str(work / "hidden"),
             "training.init_from": str(parent_dir),
             "training.max_steps": cfg.adapt.max_steps,
-            "training.epochs": cfg.adapt.max_steps,  # a recording smaller than the budget is repeated
             "training.validation_prefix": TRAFFIC_IDS,  # the curve is the workload's, not the replay's
             "training.run_name": f"{cfg.training.run_name}-adapt-{work.name}",
             "tracking.tracking_uri": uri,
@@ -75,17 +130,29 @@ def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, u
     )
 
 
-def decide(cfg: PeagleConfig, parent: dict, child: dict) -> dict:
-    """Promote or not, from {"heldout": row, "general": row} of each version (rows as eval's "overall"). The
-    general suite's loss counts as forgetting only where it is measurable: less two standard errors of the
-    per-category differences (regression_error; the loss itself without them) above adapt.max_regression.
+def epochs_for(cfg: PeagleConfig, train_records: int) -> int:
+    """The passes over `train_records` that adapt.max_steps steps take (a recording smaller than the budget is
+    repeated): each of training.num_workers workers (the most, for an elastic [min, max]) reads its share,
+    the smallest being records // workers, and each step takes training.sequences_per_step of it.
+
+    e.g. 120 steps x 4 sequences over 18 records on 1 worker -> 27 passes; 10 x 2 over 7 on 2 (shares of
+    3 and 4) -> 7."""
+    workers = cfg.training.num_workers
+    share = max(1, train_records // (max(workers) if isinstance(workers, list) else workers))
+    return max(1, math.ceil(cfg.adapt.max_steps * cfg.training.sequences_per_step / share))
+
+
+def decide(cfg: PeagleConfig, parent: Judged, child: Judged) -> Verdict:
+    """Promote or not, from each version's judged rows. The general suite's loss counts as forgetting only
+    where it is measurable: less two standard errors of the per-category differences (regression_error; the
+    loss itself without them) above adapt.max_regression.
 
     e.g. heldout AL 1.20 -> 1.65 and general 1.18 -> 1.17 with min_gain 0.05, max_regression 0.02 ->
-    {"gain": 0.45, "regression": 0.01, "promote": True, "why": "..."}."""
-    gain = child["heldout"]["acceptance_length"] - parent["heldout"]["acceptance_length"]
-    regression = parent["general"]["acceptance_length"] - child["general"]["acceptance_length"]
-    se = regression_error(parent["general"], child["general"])
-    mismatches = child["heldout"]["greedy_mismatches"] + child["general"]["greedy_mismatches"]
+    Verdict(gain=0.45, regression=0.01, promote=True, why="...")."""
+    gain = child.heldout["acceptance_length"] - parent.heldout["acceptance_length"]
+    regression = parent.general["acceptance_length"] - child.general["acceptance_length"]
+    se = regression_error(parent, child)
+    mismatches = child.heldout["greedy_mismatches"] + child.general["greedy_mismatches"]
     reasons = []
     if gain < cfg.adapt.min_gain:
         reasons.append(f"held-out AL gain {gain:+.3f} < adapt.min_gain {cfg.adapt.min_gain}")
@@ -97,51 +164,48 @@ def decide(cfg: PeagleConfig, parent: dict, child: dict) -> dict:
         )
     if mismatches and cfg.target.dtype == "float32":
         reasons.append(f"{mismatches} greedy outputs differ from the target's (float32 must be lossless)")
-    return {
-        "gain": round(gain, 4),
-        "regression": round(regression, 4),
-        "promote": not reasons,
-        "why": "; ".join(reasons) or "held-out gain and general-suite loss within bounds",
-    }
+    return Verdict(
+        round(gain, 4),
+        round(regression, 4),
+        not reasons,
+        "; ".join(reasons) or "held-out gain and general-suite loss within bounds",
+    )
 
 
-def regression_error(parent: dict, child: dict) -> float | None:
-    """The standard error of the general suite's AL loss, from the paired per-category losses (each row's
-    "by_category" AL, as judge records it); None without per-category figures for at least 2 categories.
+def regression_error(parent: Judged, child: Judged) -> float | None:
+    """The standard error of the general suite's AL loss, from the paired per-category losses (as judge
+    records them); None without per-category figures for at least 2 categories.
 
-    e.g. by_category {"a": 1.2, "b": 1.3} -> {"a": 1.1, "b": 1.3}: losses [0.1, 0.0] -> 0.05."""
+    e.g. by category {"a": 1.2, "b": 1.3} -> {"a": 1.1, "b": 1.3}: losses [0.1, 0.0] -> 0.05."""
     from peagle_ray.eval.metrics import standard_error
 
-    before, after = parent.get("by_category") or {}, child.get("by_category") or {}
+    before, after = parent.general_by_category, child.general_by_category
     return standard_error([before[c] - after[c] for c in sorted(before) if c in after])
 
 
-def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: int) -> dict:
-    """{name: {"heldout": row, "general": row}} for each drafter, from one target-alone run and one run per
-    drafter over the held-out traffic and the general suite together (stock vLLM, the served K)."""
-    from peagle_ray.eval.metrics import summarize
-    from peagle_ray.eval.sweep import eval_prompts, run_engine
-    from peagle_ray.export.speculators import read_drafter, speculative_config
+def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: int) -> dict[str, Judged]:
+    """Each drafter judged against the target alone (eval.compare) over the held-out traffic and the general
+    suite together: stock vLLM, the served K, one engine per decoder."""
+    from peagle_ray.eval import compare
+    from peagle_ray.eval.sweep import eval_prompts
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
     heldout = eval_prompts(with_values(acfg, {"eval.suite": "validation", "eval.prompts_per_category": 10**6}), target)
     suite = eval_prompts(with_values(cfg, {"eval.suite": cfg.adapt.general_suite}), target)
     prompts = {TRAFFIC: heldout.get(TRAFFIC, []), **{f"general/{c}": p for c, p in suite.items()}}
-    print(f"[adapt] judging on {len(prompts[TRAFFIC])} held-out requests and {cfg.adapt.general_suite}: target alone")
-    baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
+    print(f"[adapt] judging on {len(prompts[TRAFFIC])} held-out requests and {cfg.adapt.general_suite}", flush=True)
+    candidates = [compare.drafter(name, directory, k) for name, directory in drafters.items()]
+    progress = lambda what: print(f"[adapt] judging: {what}", flush=True)  # noqa: E731
+    judged = compare.compare(cfg, target, candidates, prompts, cfg.eval.timing_prompts, progress)
     out = {}
-    for name, directory in drafters.items():
-        print(f"[adapt] judging: {name} drafter at K = {k}", flush=True)
-        run = run_engine(cfg, target, speculative_config(read_drafter(directory), k), prompts, cfg.eval.timing_prompts)
-        general = summarize(k, *(_only(r, lambda c: c != TRAFFIC) for r in (baseline, run)))
-        out[name] = {
-            "heldout": summarize(k, *(_only(r, lambda c: c == TRAFFIC) for r in (baseline, run)))["overall"],
-            "general": {
-                **general["overall"],
-                "by_category": {c: row["acceptance_length"] for c, row in general.items() if c != "overall"},
-            },
-        }
+    for name in drafters:
+        general = judged.rows(name, lambda c: c != TRAFFIC)
+        out[name] = Judged(
+            heldout=judged.rows(name, lambda c: c == TRAFFIC)["overall"],
+            general=general["overall"],
+            general_by_category={c: row["acceptance_length"] for c, row in general.items() if c != "overall"},
+        )
     return out
 
 
@@ -153,13 +217,8 @@ def heldout_recommendation(row: Row) -> Recommendation:
     return recommend_k({row["k"]: {"overall": row}})
 
 
-def _only(run: dict, keep) -> dict:
-    """An engine run's results restricted to the categories `keep` accepts."""
-    return {part: {c: v for c, v in run[part].items() if keep(c)} for part in ("acceptance", "timing")}
-
-
-def run_adapt(cfg: PeagleConfig) -> dict:
-    """One adaptation (module docstring); returns the report also written to adapt.json."""
+def run_adapt(cfg: PeagleConfig) -> AdaptReport:
+    """One adaptation (module docstring); its report is also written to adapt.json."""
     from peagle_ray.capture.run import prepare_and_capture
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.data.sources import check_sources
@@ -192,6 +251,8 @@ def run_adapt(cfg: PeagleConfig) -> dict:
                 f"and {samples.get('validation', 0)} held-out samples; adapt.min_requests is "
                 f"{cfg.adapt.min_requests} and at least one must be held out (bad rows: {prepared.bad_rows})"
             )
+        records = sum(split.get("train", 0) for split in prepared.by_category.values())  # traffic and replay
+        acfg = with_values(acfg, {"training.epochs": epochs_for(cfg, records)})
         print(f"[adapt] from {name} v{parent['version']} on {samples} recorded samples", flush=True)
         prepare_and_capture(acfg, prepare=False, capture=True)
         trained = run_training(acfg)
@@ -200,67 +261,67 @@ def run_adapt(cfg: PeagleConfig) -> dict:
         set_drafter_k(new_dir, k)  # served at the K the parent is served at
         measured = judge(cfg, acfg, {"parent": parent_dir, "new": new_dir}, k)
         verdict = decide(cfg, measured["parent"], measured["new"])
-        serving = heldout_recommendation(measured["new"]["heldout"])
+        serving = heldout_recommendation(measured["new"].heldout)
         write_recommendation(new_dir, serving)  # the endpoint drafts with it only where that paid
-        report = {
-            "registered_model": name,
-            "parent_version": parent["version"],
-            "version": trained.registered_version,
-            "k": k,
-            "samples": samples,
-            "train_steps": cfg.adapt.max_steps,
-            "measured": measured,
-            **verdict,
-            "drafts": serving.draft,  # served with its drafter (False: the target alone), and why
-            "recommendation": serving.reason,
-            "export_dir": trained.export_dir,
-            "run_id": trained.run_id,
-        }
+        report = AdaptReport(
+            registered_model=name,
+            parent_version=parent["version"],
+            version=trained.registered_version,
+            k=k,
+            samples=samples,
+            train_steps=cfg.adapt.max_steps,
+            measured=measured,
+            verdict=verdict,
+            drafts=serving.draft,
+            recommendation=serving.reason,
+            export_dir=trained.export_dir,
+            run_id=trained.run_id,
+        )
         _record(uri, cfg, report)
-        report["swapped"] = _promote(uri, cfg, report, (parent_dir, f"{name}/{parent['version']}"))
+        report.swapped = _promote(uri, cfg, report, (parent_dir, f"{name}/{parent['version']}"))
     work.mkdir(parents=True, exist_ok=True)
-    (work / "adapt.json").write_text(json.dumps(report, indent=2))
-    report["json"] = str(work / "adapt.json")
-    print(f"[adapt] v{report['version']}: {report['why']}; promoted: {report['promote']}", flush=True)
+    report.json = str(work / "adapt.json")
+    Path(report.json).write_text(json.dumps(report.to_json(), indent=2))
+    print(f"[adapt] v{report.version}: {report.verdict.why}; promoted: {report.promote}", flush=True)
     return report
 
 
-def _record(uri: str, cfg: PeagleConfig, report: dict) -> None:
+def _record(uri: str, cfg: PeagleConfig, report: AdaptReport) -> None:
     """The measurements as metrics of the adaptation's run and as tags of the new version."""
     from peagle_ray.tracking import log_metrics, set_version_tags
 
     rows = {
-        f"adapt/{part}_al{suffix}": report["measured"][who][part]["acceptance_length"]
+        f"adapt/{part}_al{suffix}": getattr(report.measured[who], part)["acceptance_length"]
         for part in ("heldout", "general")
         for who, suffix in (("parent", "_parent"), ("new", ""))
     }
-    rows.update({"adapt/gain": report["gain"], "adapt/promoted": float(report["promote"])})
-    log_metrics(uri, report["run_id"], [(key, value, 0) for key, value in rows.items()])
-    if report["version"] is not None:
-        tags = {"parent_version": report["parent_version"], "promoted": report["promote"], "why": report["why"]}
-        set_version_tags(uri, registered_name(cfg), report["version"], {**tags, **rows})
+    rows.update({"adapt/gain": report.verdict.gain, "adapt/promoted": float(report.promote)})
+    log_metrics(uri, report.run_id, [(key, value, 0) for key, value in rows.items()])
+    if report.version is not None:
+        tags = {"parent_version": report.parent_version, "promoted": report.promote, "why": report.verdict.why}
+        set_version_tags(uri, registered_name(cfg), report.version, {**tags, **rows})
 
 
-def _promote(uri: str, cfg: PeagleConfig, report: dict, previous: tuple[Path, str]) -> bool:
+def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, previous: tuple[Path, str]) -> bool:
     """Move the alias to the new version and swap it into a running endpoint; True when swapped."""
     from peagle_ray.serve.app import endpoint_running, swap_drafter
     from peagle_ray.tracking import set_alias
 
-    if not report["promote"] or report["version"] is None:
+    if not report.promote or report.version is None:
         return False
     name = registered_name(cfg)
-    set_alias(uri, name, cfg.adapt.alias, report["version"])
+    set_alias(uri, name, cfg.adapt.alias, report.version)
     if not (cfg.adapt.swap and endpoint_running()):
         return False
-    swap_drafter(cfg, Path(report["export_dir"]), f"{name}/{report['version']}", previous)
-    print(f"[adapt] the endpoint now serves {name}/{report['version']}", flush=True)
+    swap_drafter(cfg, Path(report.export_dir), f"{name}/{report.version}", previous)
+    print(f"[adapt] the endpoint now serves {name}/{report.version}", flush=True)
     return True
 
 
 # ---- continuous mode: `peagle-ray serve --adapt-every MINUTES` ----------------------------------------------
 
 
-def adapt_cycle(cfg: PeagleConfig) -> dict | None:
+def adapt_cycle(cfg: PeagleConfig) -> AdaptReport | None:
     """One round of the continuous loop: run_adapt's report, or None when this round had nothing to do (too
     little traffic yet) or failed; the endpoint keeps serving either way and the next round tries again."""
     try:

@@ -8,15 +8,21 @@ peagle-ray <cmd> --config FILE --set section.field=value ...
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import signal
 import sys
-from collections.abc import Callable
+from collections import abc
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin
 
 from peagle_ray import stopping
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
+from peagle_ray.options import Opt
 
 SUBCOMMANDS = {
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
@@ -85,9 +91,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     outcome = evaluate(cfg, _drafters(cfg, args, "evaluate"), args.k)
-    _write_json(outcome["results"], args.json)
-    print(outcome["table"], file=sys.stderr)
-    print(f"[eval] {outcome['json']}; MLflow runs {outcome['runs']} at {outcome['tracking_uri']}", file=sys.stderr)
+    _write_json(outcome.results.to_json(), args.json)
+    print(outcome.table, file=sys.stderr)
+    print(f"[eval] {outcome.json}; MLflow runs {outcome.runs} at {outcome.tracking_uri}", file=sys.stderr)
     return 0
 
 
@@ -110,7 +116,7 @@ def _cmd_adapt(args: argparse.Namespace) -> int:
     from peagle_ray.adapt import run_adapt
 
     report = run_adapt(_config(args))
-    _write_json(report, args.json)
+    _write_json(report.to_json(), args.json)
     return 0
 
 
@@ -122,24 +128,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """Every benchmark: the module peagle_ray.bench.<kind> and its function, called with the options given
-    (an option left out takes the function's own default: the one home of a benchmark's sizes)."""
-    import importlib
-
+    """Every benchmark: the function peagle_ray.bench.<module>.<function>, called with its needs (the config, the
+    drafters, a progress printer) and the options given (one left out takes the function's own default: the
+    one home of a benchmark's sizes)."""
     bench = BENCHES[args.kind]
-    module = importlib.import_module(f"peagle_ray.bench.{bench.module}")
-    given = {dest: getattr(args, dest) for dest in bench.options if getattr(args, dest) is not None}
-    cfg = _config(args) if {"cfg", "drafters"} & set(bench.needs) else None  # the YAML read once
+    function = bench.load()
+    needs = bench_needs(function)
+    cfg = _config(args) if {"cfg", "drafters"} & needs else None  # the YAML read once
     context = {
         "cfg": lambda: cfg,
         "drafters": lambda: _drafters(cfg, args, "benchmark") if cfg else {},
         "progress": lambda: lambda line: print(line, file=sys.stderr),
     }
-    needs = {name: context[name]() for name in bench.needs}
-    result = getattr(module, bench.function)(**needs, **given)
+    given = {name: getattr(args, name) for name, *_ in bench_options(function) if getattr(args, name) is not None}
+    result = function(**{name: context[name]() for name in needs}, **given)
     _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
     if bench.tracked:
-        module.log_to_mlflow(cfg, result)
+        sys.modules[function.__module__].log_to_mlflow(cfg, result)
     return 0
 
 
@@ -177,11 +182,6 @@ def _write_json(result: dict, path: Path | None) -> None:
 
 def arg(*flags: str, **options) -> tuple[tuple[str, ...], dict]:
     return flags, options
-
-
-def variant_arg(help: str) -> tuple:
-    """--variant NAME OVERRIDE..., repeatable (the ablation benches)."""
-    return arg("--variant", dest="variants", nargs="+", action="append", metavar=("NAME", "OVERRIDE"), help=help)
 
 
 CONFIG_ARGS = (
@@ -224,15 +224,35 @@ class Command:
 
 @dataclass(frozen=True)
 class Bench:
-    """`peagle-ray bench <kind>`: peagle_ray.bench.<module>.<function>(**needs, **options given)."""
+    """`peagle-ray bench <kind>`: peagle_ray.bench.<module>.<function>. Its help is the first paragraph of the
+    module's docstring, read without importing it; its options are the function's parameters annotated with
+    an options.Opt (bench_options), its needs the parameters named cfg, drafters and progress (bench_needs);
+    the module's log_to_mlflow(cfg, result), where it has one, logs the result."""
 
     module: str
     function: str
-    help: str
-    options: tuple[str, ...]  # argparse dests passed when given
-    args: tuple = ()
-    needs: tuple[str, ...] = ()  # "cfg", "drafters", "progress"
-    tracked: bool = False  # the module's log_to_mlflow(cfg, result) logs the result
+
+    def source(self) -> ast.Module:
+        import importlib.util
+
+        spec = importlib.util.find_spec(f"peagle_ray.bench.{self.module}")
+        assert spec is not None and spec.origin is not None
+        return ast.parse(Path(spec.origin).read_text())
+
+    @property
+    def help(self) -> str:
+        first = (ast.get_docstring(self.source()) or "").split("\n\n")[0]
+        return " ".join(first.split(": ", 1)[-1].split())
+
+    @property
+    def tracked(self) -> bool:
+        return any(isinstance(n, ast.FunctionDef) and n.name == "log_to_mlflow" for n in self.source().body)
+
+    def load(self) -> Callable:
+        """The function (importing its module pulls in torch: only `bench KIND` asks)."""
+        import importlib
+
+        return getattr(importlib.import_module(f"peagle_ray.bench.{self.module}"), self.function)
 
 
 COMMANDS = [
@@ -386,252 +406,76 @@ COMMANDS = [
 ]
 
 BENCHES = {
-    "draft-latency": Bench(
-        "draft_latency",
-        "run",
-        "Median ms of one draft proposal, K = 1..8, P-EAGLE vs EAGLE-3.",
-        ("draft_vocab_size", "max_k", "context", "repeats", "target", "num_layers"),
-        (
-            arg("--draft-vocab-size", type=int, help="Draft vocabulary (0 = the full target vocabulary)."),
-            arg("--max-k", type=int, help="Largest K measured."),
-            arg("--context", type=int, help="Positions already in the drafter's KV cache."),
-            arg("--repeats", type=int, help="Proposals timed per K."),
-            arg("--target", type=Path, help="Take the drafter's shape from this target (default: SmolLM2's)."),
-            arg("--num-layers", type=int, help="Drafter decoder layers (drafter.num_layers)."),
-        ),
-    ),
-    "train-memory": Bench(
-        "train_memory",
-        "run",
-        "Peak memory and tokens/s of one training step, with and without sequence partitioning, each in a "
-        "fresh subprocess.",
-        ("seq_lens", "depths", "segment_length", "draft_vocab_size", "memory_limit_gb", "freeze_lm_head", "bf16"),
-        (
-            arg("--seq-lens", type=int, nargs="+", help="Positions per sequence."),
-            arg("--depths", type=int, nargs="+", help="K values."),
-            arg("--segment-length", type=int, help="Elements per partition segment."),
-            arg("--draft-vocab-size", type=int),
-            arg("--memory-limit-gb", type=float, help="Stop a configuration past this RSS."),
-            arg("--freeze-lm-head", action="store_const", const=True, help="Measure with the draft lm_head frozen."),
-            arg("--bf16", action="store_const", const=True, help="Under bfloat16 autocast (training.precision)."),
-        ),
-        ("progress",),
-    ),
-    "step-table": Bench(
-        "step_table",
-        "run",
-        "One P-EAGLE training step at real drafter shapes (Qwen3-8B, Llama-3.1-8B; `tiny` rehearses on CPU): "
-        "ours with compiled flex attention (CUDA) and SDPA, the reference trainer where installed; tokens/s, "
-        "peak memory and the dry run's estimate, each trainer in its own process (scripts/gpu_check.sh).",
-        ("shapes", "seq_lens", "layers", "segment_length", "timeout_s"),
-        (
-            arg("--shapes", nargs="+", help="Shapes (bench/step_table.py SHAPES): qwen3-8b, llama3.1-8b, tiny."),
-            arg("--seq-lens", type=int, nargs="+", help="Positions per sequence."),
-            arg("--layers", type=int, help="Drafter layers."),
-            arg("--segment-length", type=int, help="Elements per partition segment."),
-            arg("--timeout-s", type=float, help="Seconds each (shape, trainer, attention) process may run."),
-        ),
-        ("progress",),
-    ),
-    "mask": Bench(
-        "mask",
-        "run",
-        "Attention-mask ms per step, rebuilt (the job) vs gathered from a table built once, against the "
-        "training step's time.",
-        ("max_positions", "depths", "steps", "draft_vocab_size"),
-        (
-            arg("--max-positions", type=int, nargs="+", help="Positions N of each row."),
-            arg("--depths", type=int, nargs="+", help="K of each row (zipped with --max-positions)."),
-            arg("--steps", type=int, help="Steps timed per row (median)."),
-            arg("--draft-vocab-size", type=int),
-        ),
-    ),
-    "capture": Bench(
-        "capture",
-        "run",
-        "Capture tokens/s through Ray Serve + Ray Data vs plain vLLM prefill on the same sequences (median of 3 "
-        "passes each), for each number of target replicas (placed by capture.max_replicas_per_node): the "
-        "pipeline's start, tokens/s after it, where a request's time goes, bytes per token on the wire and "
-        "offline.",
-        ("num_sequences", "seq_len", "replicas"),
-        (
-            arg("--sequences", dest="num_sequences", type=int),
-            arg("--seq-len", type=int),
-            arg("--replicas", type=int, nargs="+", help="Target replica counts measured, e.g. 1 2."),
-        ),
-        ("cfg",),
-    ),
-    "train": Bench(
-        "train",
-        "run",
-        "Base tokens/s and peak memory per worker of the Ray Train job for 1 and 2 workers (synthetic records "
-        "of the target's shape).",
-        ("workers", "steps", "seq_len"),
-        (
-            arg("--workers", type=int, nargs="+", help="Worker counts measured."),
-            arg("--steps", type=int, help="Steps per worker count (the first is warm-up)."),
-            arg("--seq-len", type=int, help="Positions per training sequence."),
-        ),
-        ("cfg", "progress"),
-    ),
-    "e2e": Bench(
-        "e2e",
-        "run",
-        "Batch-1 greedy decode tokens/s: target alone vs EAGLE-3 vs P-EAGLE at each one's best K (float32; "
-        "greedy mismatches must be 0).",
-        ("k_values",),
-        (
-            *DRAFTER_ARGS[:2],
-            arg("--k", dest="k_values", type=int, nargs="+", help="K values (default: eval's)."),
-            SUITE_ARG,
-        ),
-        ("cfg", "drafters"),
-    ),
-    "load": Bench(
-        "load",
-        "run",
-        "N concurrent OpenAI clients against the endpoint: errors, p50/p99 latency, tokens/s.",
-        ("url", "drafter_dir", "clients", "requests_per_client", "max_tokens"),
-        (
-            arg("--url", help="A running endpoint (default: start one from the config, stop it after)."),
-            arg("--drafter", dest="drafter_dir", type=Path, help="Drafter for an endpoint this command starts."),
-            arg("--clients", type=int),
-            arg("--requests-per-client", type=int),
-            arg("--max-tokens", type=int),
-        ),
-        ("cfg",),
-    ),
-    "adapt": Bench(
-        "adapt",
-        "run",
-        "Per workload: record its train split at the endpoint, adapt, then measure its held-out split with stock "
-        "vLLM: target alone, un-adapted and adapted drafter, n-gram and suffix decoding; AL against adaptation "
-        "minutes; the issue's goals.",
-        ("workloads", "train_prompts", "heldout_prompts", "max_tokens", "steps"),
-        (
-            DRAFTER_ARGS[0],
-            arg("--workloads", nargs="+", help="humaneval and/or sharegpt-WORD (e.g. sharegpt-email)."),
-            arg("--train-prompts", type=int, help="Train-split prompts sent to the endpoint."),
-            arg("--heldout-prompts", type=int, help="Held-out prompts measured."),
-            arg("--max-tokens", type=int, help="Tokens per request (recording and measurement)."),
-            arg("--steps", type=int, help="Adaptation steps (adapt.max_steps)."),
-        ),
-        ("cfg", "drafters", "progress"),
-        tracked=True,
-    ),
-    "adapt-ablation": Bench(
-        "adapt_ablation",
-        "run",
-        "Why an adaptation reaches the AL it does: variants (lr, frozen layers, replay of general data, less "
-        "traffic, no parent) trained from one adaptation's parent on its captured traffic, held-out traffic AL and "
-        "general AL (forgetting) at each budget, offline (greedy replay = vLLM's counters).",
-        ("adaptation", "variants", "budgets", "general_records"),
-        (
-            arg("--adaptation", type=Path, help="A directory `peagle-ray adapt` wrote (<storage>/adapt/<id>)."),
-            variant_arg(
-                "A variant: its name, then overrides: SECTION.FIELD=VALUE, traffic=SHARE (of the recorded training "
-                "requests), replay=SHARE (general records in the mix); repeatable, the first is the baseline; none "
-                "given: peagle_ray.bench.adapt_ablation.VARIANTS"
-            ),
-            arg("--budgets", type=int, nargs="+", help="Steps to measure at (one run per variant to the largest)."),
-            arg("--general-records", type=int, help="General validation records replayed (forgetting)."),
-        ),
-        ("cfg", "progress"),
-        tracked=True,
-    ),
-    "features": Bench(
-        "features",
-        "run",
-        "Does the drafter use the target? On the capture's validation split: per-depth accuracy and AL with the "
-        "target's features as captured, zeroed and shuffled across positions; skip-gram count tables from the "
-        "train split on the same elements; max |h| per aux layer and channel.",
-        ("validation_records",),
-        (
-            DRAFTER_ARGS[0],
-            arg("--validation-records", type=int, help="Validation records measured."),
-        ),
-        ("cfg", "drafters", "progress"),
-    ),
-    "peers": Bench(
-        "peers",
-        "run",
-        "Beside the alternatives, in one run: our P-EAGLE and EAGLE-3 and speculators 0.9's P-EAGLE (the reference "
-        "trainer, installed by scripts/setup.sh) trained on the same offline shards, steps, schedule and seeds, then stock "
-        "vLLM per suite: target alone, those drafters, vLLM's n-gram drafter at K = 2..4 and suffix decoding.",
-        ("steps", "algorithms", "suites", "prompts", "timed", "ngram_k"),
-        (
-            arg("--steps", type=int, help="Training steps of every trainer (default training.max_steps)."),
-            arg("--algorithms", nargs="+", choices=("peagle", "eagle3"), help="Our algorithms trained."),
-            arg("--suites", nargs="+", choices=("mt-bench", "humaneval", "validation"), help="Eval suites."),
-            arg("--prompts", type=int, help="Prompts per suite (spread over its categories)."),
-            arg("--timed", type=int, help="Prompts per suite timed at batch 1 (the rest only count acceptance)."),
-            arg("--ngram-k", type=int, nargs="+", help="K values of vLLM's n-gram drafter."),
-        ),
-        ("cfg", "progress"),
-        tracked=True,
-    ),
-    "ablation": Bench(
-        "learning",
-        "ablation",
-        "Validation AL of drafter variants trained on the same offline shards, steps and seeds (one process, "
-        "the job's own step; training.validation_records caps the records replayed).",
-        ("variants", "steps"),
-        (
-            variant_arg(
-                "A variant: its name, then config overrides (repeatable; the first is the baseline), e.g. "
-                "--variant base --variant frozen drafter.freeze_lm_head=true"
-            ),
-            arg("--steps", type=int, help="Optimizer steps per variant."),
-        ),
-        ("cfg", "progress"),
-        tracked=True,
-    ),
-    "learning-curve": Bench(
-        "learning",
-        "learning_curve",
-        "Validation AL (and eval.suite AL from stock vLLM) against training tokens, per algorithm; JSON, MLflow "
-        "and a plot (training.validation_records caps the records replayed).",
-        ("budgets", "algorithms"),
-        (
-            arg("--budgets", type=int, nargs="+", help="Steps to measure at."),
-            arg("--algorithms", nargs="+", choices=["peagle", "eagle3"]),
-            arg("--suite", choices=["validation", "mt-bench", "humaneval"], help="Also measure this suite's AL."),
-        ),
-        ("cfg", "progress"),
-        tracked=True,
-    ),
+    kind: Bench(module, function)
+    for kind, module, function in [
+        ("draft-latency", "draft_latency", "run"),
+        ("train-memory", "train_memory", "run"),
+        ("step-table", "step_table", "run"),
+        ("mask", "mask", "run"),
+        ("capture", "capture", "run"),
+        ("train", "train", "run"),
+        ("e2e", "e2e", "run"),
+        ("load", "load", "run"),
+        ("adapt", "adapt", "run"),
+        ("adapt-ablation", "adapt_ablation", "run"),
+        ("features", "features", "run"),
+        ("peers", "peers", "run"),
+        ("ablation", "learning", "ablation"),
+        ("learning-curve", "learning", "learning_curve"),
+    ]
 }
+NEEDS = ("cfg", "drafters", "progress")  # a benchmark's parameters the command fills in
 
 
-def _add_args(parser: argparse.ArgumentParser, args, defaults: dict | None = None) -> None:
-    """Each (flags, options); a help text gets " (default: X)" from `defaults` ({dest: X}) when X is known."""
+def bench_needs(function: Callable) -> set[str]:
+    return set(inspect.signature(function).parameters) & set(NEEDS)
+
+
+def bench_options(function: Callable) -> list[tuple[str, Opt, object, object]]:
+    """(parameter, its Opt, its type, its default) of each option of a benchmark function (options.py)."""
+    module = sys.modules[function.__module__]
+    out = []
+    for name, parameter in inspect.signature(function).parameters.items():
+        hint = parameter.annotation
+        if isinstance(hint, str):
+            if not hint.startswith("Annotated["):
+                continue
+            hint = eval(hint, vars(module))  # noqa: S307 - the module's own annotation, as typing would
+        opt = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Opt)), None)
+        if opt is not None:
+            out.append((name, opt, get_args(hint)[0], parameter.default))
+    return out
+
+
+def option_arg(name: str, opt: Opt, kind: object, default: object) -> tuple:
+    """The argparse (flags, options) of one benchmark option, from its type: bool -> a switch, a sequence ->
+    nargs="+" of its element type, X | None -> X."""
+    flags = (opt.flag or "--" + name.replace("_", "-"),)
+    typed = " ".join(map(str, default)) if isinstance(default, tuple | list) else default  # as a user types it
+    shown = f"{opt.help} (default: {typed})" if default is not None else opt.help
+    options: dict = {"dest": name, "help": shown}
+    if opt.variants:
+        return arg("--variant", **options, nargs="+", action="append", metavar=("NAME", "OVERRIDE"))
+    args = [a for a in get_args(kind) if a is not type(None)] if get_origin(kind) in (Union, UnionType) else [kind]
+    kind = args[0]
+    if kind is bool:
+        return arg(*flags, **options, action="store_const", const=True)
+    if get_origin(kind) in (tuple, list, Sequence, abc.Sequence):
+        options["nargs"] = "+"
+        kind = next(a for a in get_args(kind) if a is not Ellipsis)
+    if opt.choices:
+        options["choices"] = opt.choices
+    return arg(*flags, **options, type=kind)
+
+
+def _add_args(parser: argparse.ArgumentParser, args) -> None:
     for flags, options in args:
-        dest = options.get("dest") or flags[0].lstrip("-").replace("-", "_")
-        if defaults and dest in defaults and "help" in options:
-            options = {**options, "help": f"{options['help']} (default: {defaults[dest]})"}
-        elif defaults and dest in defaults:
-            options = {**options, "help": f"default: {defaults[dest]}"}
         parser.add_argument(*flags, **options)
 
 
-def bench_defaults(kind: str) -> dict:
-    """{parameter: default} of a benchmark's function, the one home of its sizes. Importing the module pulls in
-    torch, so only `bench KIND` (which runs that module anyway) asks; other commands' --help answer at once."""
-    import importlib
-    import inspect
-
-    bench = BENCHES[kind]
-    function = getattr(importlib.import_module(f"peagle_ray.bench.{bench.module}"), bench.function)
-    shown = (int, float, str, tuple, list, type(None))  # values a user could type; not callables
-    return {
-        name: p.default
-        for name, p in inspect.signature(function).parameters.items()
-        if p.default is not inspect.Parameter.empty and isinstance(p.default, shown)
-    }
-
-
 def build_parser(bench_kind: str | None = None) -> argparse.ArgumentParser:
-    """The parser, built from COMMANDS and BENCHES; the options of benchmark `bench_kind` show its defaults."""
+    """The parser, built from COMMANDS and BENCHES; benchmark `bench_kind` gets its options (importing its module:
+    other commands' --help answer at once)."""
     parser = argparse.ArgumentParser(
         prog="peagle-ray",
         description="Train and serve P-EAGLE parallel-drafting speculators with Ray, vLLM and MLflow.",
@@ -660,8 +504,12 @@ def build_parser(bench_kind: str | None = None) -> argparse.ArgumentParser:
             description=f"{bench.help} Unset options take the "
             f"benchmark's defaults (peagle_ray.bench.{bench.module}.{bench.function}).",
         )
-        _add_args(sub, bench.args, bench_defaults(kind) if kind == bench_kind else None)
-        _add_args(sub, (JSON_ARG,) + (CONFIG_ARGS if "cfg" in bench.needs else ()))
+        if kind == bench_kind:
+            function = bench.load()
+            needs = bench_needs(function)
+            _add_args(sub, tuple(option_arg(*option) for option in bench_options(function)))
+            _add_args(sub, (DRAFTER_ARGS[:2] if "drafters" in needs else ()) + (SUITE_ARG,) * ("cfg" in needs))
+            _add_args(sub, (JSON_ARG,) + (CONFIG_ARGS if "cfg" in needs else ()))
         sub.set_defaults(func=_cmd_bench, overrides=[], config=None)
     return parser
 

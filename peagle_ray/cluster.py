@@ -87,6 +87,12 @@ def ensure_serve_http(host: str, port: int, replace: bool = True) -> None:
     instance running with other options is shut down (its applications with it) and started again, which
     kills its controller mid-task (Ray prints "killed by ray.kill" on the console); without, it is kept."""
     from ray import serve
+
+    # No public API reads a running Serve instance's HTTP options in Ray 2.60: serve.status() has proxies and
+    # applications but no host or port; serve.start() with other options only warns ("The new client HTTP
+    # config differs from the existing one") and keeps the old ones; the REST API that lists them
+    # (/api/serve/applications/) needs the dashboard, which clusters may run without. So the controller's
+    # client is read here, in one place, and `serve.start` stays the only way Serve is started.
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)

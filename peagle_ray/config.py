@@ -217,16 +217,16 @@ class DrafterConfig(_Section):
     trains only the decoder layer, the norms and P-EAGLE's mask_hidden (adaptation on little traffic). Names as
     in the exported model.safetensors; a prefix that names no parameter is refused. `[]` trains everything.
     By default the embedding table (the target's) stays frozen for P-EAGLE too, unlike the paper and the
-    speculators trainer: on SmolLM2 at 120 steps it reached the same validation AL (1.176 vs 1.174) with a
-    1.32x faster step and 5.1M instead of 33.4M trained parameters (README, frozen-embedding ablation); the mask
-    token's input still learns through mask_hidden."""
+    speculators trainer: on SmolLM2 it reached the same validation AL with a faster step and far fewer trained
+    parameters (docs/benchmarks.md, the frozen-embedding ablation); the mask token's input still learns
+    through mask_hidden."""
 
     normalize_features: bool = False
     """Scale each channel of the target's aux hidden states to unit RMS before fc (measured on the first 64
     captured training records; needs capture.mode offline). A fixed buffer folded into fc at export, so
     vLLM serves the same files. For targets with massive activations (SmolLM2: channel 507's RMS is ~275x
     the median channel's in layer 15), where a few channels dominate fc's input; on SmolLM2 it measured worse
-    (validation AL 1.122 vs 1.174 at 120 steps, README), so it is off by default."""
+    (docs/benchmarks.md, the normalized-features ablation), so it is off by default."""
 
     @property
     def trained_depths(self) -> int:
@@ -263,8 +263,8 @@ class TrainingConfig(_Section):
 
     precision: Literal["float32", "bfloat16"] = "float32"
     """Training math: float32, or bfloat16 autocast (weights, optimizer state and the loss's softmax stay
-    float32). bfloat16 is the usual choice on GPUs, and on CPUs with AMX (bf16 GEMMs ~4x float32; the step
-    ~1.3x faster, `bench train-memory --bf16`); CPUs without bf16 units are faster in float32."""
+    float32). bfloat16 is the usual choice on GPUs, and on CPUs with AMX (`bench train-memory --bf16` measures
+    the step both ways); CPUs without bf16 units are faster in float32."""
 
     learning_rate: float = Field(default=3e-4, gt=0.0)
     """Peak AdamW learning rate."""

@@ -26,10 +26,31 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.layout import mlflow_dir
+
+if TYPE_CHECKING:
+    from peagle_ray.adapt import AdaptReport
+    from peagle_ray.eval.metrics import SweepResult
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What the demo ran: the live endpoint's URL, the drafter it ends on, MLflow's URL, the adaptation's
+    report, the results table, the minutes per stage, demo.json, and (demo.compare_eagle3) the evaluation."""
+
+    endpoint: str
+    served: Path
+    mlflow: str
+    adapt: AdaptReport
+    table: str
+    minutes: dict[str, float]
+    json: Path
+    eval: SweepResult | None = None
 
 
 class Stages:
@@ -60,10 +81,9 @@ class Stages:
         return "\n".join([*lines, f"| total | {sum(minutes.values()):.1f} |"])
 
 
-def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> dict:
-    """Run every stage; returns {"endpoint", "served" (the drafter dir), "mlflow", "adapt", "table", "minutes",
-    "json"} (and "eval" with demo.compare_eagle3). With wait, serve until Ctrl-C (or SIGTERM / SIGHUP through the CLI), which stops
-    everything and raises KeyboardInterrupt; otherwise call on_ready(endpoint_url) (if given) and stop."""
+def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> DemoResult:
+    """Run every stage. With wait, serve until Ctrl-C (or SIGTERM / SIGHUP through the CLI), which stops
+    everything and raises KeyboardInterrupt; otherwise call on_ready(endpoint_url) (if given) and return."""
     import ray
     from ray import serve
 
@@ -89,9 +109,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
         print(f"[demo] MLflow UI: {uri}")
         try:
             general, version = _general_drafter(cfg, stages)
-            out: dict = {"mlflow": uri}
-            if cfg.demo.compare_eagle3:
-                out["eval"] = _compare_eagle3(cfg, general, stages)
+            evaluated = _compare_eagle3(cfg, general, stages) if cfg.demo.compare_eagle3 else None
             label = f"{cfg.tracking.registered_model}/{version}"
             url = _workload_traffic(cfg, general, label, stages)
             stages.start("adapt", f"the general drafter fine-tuned on the recorded {cfg.demo.workload} traffic")
@@ -100,16 +118,17 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
             stages.finish()
             table = results_table(report)
             result = storage / "demo.json"
-            result.write_text(json.dumps({"minutes": stages.minutes(), "table": table, "adapt": report}, indent=2))
+            result.write_text(
+                json.dumps({"minutes": stages.minutes(), "table": table, "adapt": report.to_json()}, indent=2)
+            )
             print(
-                f"\n{table}\n\n{stages.table()}\n\nresults: {result} and {report['json']}\nMLflow UI: {uri}\n"
+                f"\n{table}\n\n{stages.table()}\n\nresults: {result} and {report.json}\nMLflow UI: {uri}\n"
                 f"{endpoint_banner(url, cfg).replace('MODEL', resolve_target_path(cfg).name)}\n"
                 f"{drafting_line(read_drafter(served))} (recording to {record_dir})\n"
                 f"[demo] done in {sum(stages.minutes().values()):.1f} min",
                 flush=True,
             )
-            out.update(endpoint=url, served=str(served), adapt=report, table=table, minutes=stages.minutes())
-            out["json"] = str(result)
+            out = DemoResult(url, served, uri, report, table, stages.minutes(), result, evaluated)
             if on_ready is not None:
                 on_ready(url)
             if wait:
@@ -172,7 +191,7 @@ def _general_drafter(cfg: PeagleConfig, stages: Stages) -> tuple[Path, str]:
     return Path(trained.export_dir), trained.registered_version
 
 
-def _compare_eagle3(cfg: PeagleConfig, general: Path, stages: Stages) -> dict:
+def _compare_eagle3(cfg: PeagleConfig, general: Path, stages: Stages) -> SweepResult:
     """EAGLE-3 on the same data and budget, and both evaluated on the general validation split (eval.*)."""
     from peagle_ray.eval.sweep import evaluate
     from peagle_ray.layout import run_name_for
@@ -190,8 +209,8 @@ def _compare_eagle3(cfg: PeagleConfig, general: Path, stages: Stages) -> dict:
     eagle3 = Path(run_training(run_cfg).export_dir)
     stages.start("evaluate", f"target alone, P-EAGLE and EAGLE-3 at K = {cfg.eval.k_values}")
     evaluated = evaluate(cfg, {"peagle": general, "eagle3": eagle3})
-    print(f"\n{evaluated['table']}\n", flush=True)
-    return evaluated["results"]
+    print(f"\n{evaluated.table}\n", flush=True)
+    return evaluated.results
 
 
 def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stages) -> str:
@@ -199,9 +218,10 @@ def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stag
     demo.requests of demo.workload sent through it one at a time; the endpoint's URL (it stays up)."""
     from tqdm import tqdm
 
-    from peagle_ray.bench.adapt import send_traffic, workload_prompts
+    from peagle_ray.data.workload import workload_prompts
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import start_endpoint
+    from peagle_ray.serve.client import send_traffic
     from peagle_ray.target import resolve_target_path
 
     prompts = workload_prompts(cfg.demo.workload)[: cfg.demo.requests]
@@ -211,11 +231,11 @@ def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stag
     print(f"[demo] the endpoint serves {label} at {url}, recording to {cfg.serving.record_dir}", flush=True)
     with tqdm(total=len(prompts), desc="workload", unit="request") as bar:
         sent = send_traffic(cfg, url, target.name, prompts, cfg.demo.max_tokens, progress=bar)
-    print(f"[demo] {sent['requests']} requests in {sent['seconds']:.0f} s ({sent['failed']} failed)", flush=True)
+    print(f"[demo] {sent.requests} requests in {sent.seconds:.0f} s ({sent.failed} failed)", flush=True)
     return url
 
 
-def _serve_the_measured(cfg: PeagleConfig, general: Path, label: str, report: dict) -> Path:
+def _serve_the_measured(cfg: PeagleConfig, general: Path, label: str, report: AdaptReport) -> Path:
     """The drafter the endpoint ends on: the adapted one when promoted (adapt swapped it in, with the verdict
     of its held-out measurement), else the general one, redeployed with its own held-out verdict so that a
     drafter measured slower than the target alone is not served."""
@@ -223,35 +243,35 @@ def _serve_the_measured(cfg: PeagleConfig, general: Path, label: str, report: di
     from peagle_ray.eval.sweep import write_recommendation
     from peagle_ray.serve.app import swap_drafter
 
-    if report["promote"]:
-        return Path(report["export_dir"])
-    verdict = heldout_recommendation(report["measured"]["parent"]["heldout"])
+    if report.promote:
+        return Path(report.export_dir)
+    verdict = heldout_recommendation(report.measured["parent"].heldout)
     write_recommendation(general, verdict)
     if not verdict.draft:  # the endpoint drafts with it now: redeploy (a new replica) only to stop drafting
         swap_drafter(cfg, general, label, (general, label))
     return general
 
 
-def results_table(report: dict) -> str:
+def results_table(report: AdaptReport) -> str:
     """The target alone, the general and the adapted drafter on the held-out requests (adapt's judge), with
     the general suite's AL beside them (forgetting), as a markdown table."""
-    measured, k = report["measured"], report["k"]
-    parent = measured["parent"]["heldout"]
+    measured, k = report.measured, report.k
+    parent = measured["parent"].heldout
     head = [
-        f"Held-out {report['samples'].get('validation', 0)} recorded requests, greedy, batch 1, K = {k}",
+        f"Held-out {report.samples.get('validation', 0)} recorded requests, greedy, batch 1, K = {k}",
         "",
         "| Decoder | AL | Acceptance per position | Tokens/s | Speedup | Mismatches | General-suite AL |",
         "|---|---:|---|---:|---:|---:|---:|",
         f"| target alone | 1.00 | - | {parent['baseline_tokens_per_s']:.1f} | 1.00x | - | 1.00 |",
     ]
     rows = []
-    for who, name in (("parent", f"general (v{report['parent_version']})"), ("new", f"adapted (v{report['version']})")):
-        row, general = measured[who]["heldout"], measured[who]["general"]
+    for who, name in (("parent", f"general (v{report.parent_version})"), ("new", f"adapted (v{report.version})")):
+        row, general = measured[who].heldout, measured[who].general
         spread = f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""
         positions = " ".join(f"{p:.2f}" for p in row["acceptance_per_position"])
         rows.append(
             f"| {name} | {row['acceptance_length']:.2f} | {positions} | {row['tokens_per_s']:.1f} | "
             f"{row['speedup'] or 0:.2f}x{spread} | {row['greedy_mismatches']} | {general['acceptance_length']:.2f} |"
         )
-    verdict = f"adapted: {report['why']}; promoted: {report['promote']}"
+    verdict = f"adapted: {report.verdict.why}; promoted: {report.promote}"
     return "\n".join([*head, *rows, "", verdict])

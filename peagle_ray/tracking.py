@@ -389,20 +389,17 @@ def run_exists(uri: str, run_id: str | None) -> bool:
 
 @contextmanager
 def results_run(uri: str, cfg: PeagleConfig, run_id: str | None, fallback_name: str, work_dir: Path):
-    """Yields `run_id` when that run is in this store (results join the run that trained the drafter); else the
-    run named fallback_name (made if missing), RUNNING inside the block and FINISHED after it."""
-    from mlflow.tracking import MlflowClient
-
+    """Yields `run_id` when that run is in this store (results join the run that trained the drafter, whose
+    status they leave alone); else the run named fallback_name (made if missing), with run_status's statuses:
+    RUNNING inside the block, then FINISHED, FAILED (an exception) or KILLED (Ctrl-C)."""
     from peagle_ray.config import with_values
 
     if run_exists(uri, run_id):
         yield run_id
         return
     run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": fallback_name}), work_dir)
-    client = MlflowClient(uri)
-    client.update_run(run_id, status="RUNNING")
-    yield run_id
-    client.set_terminated(run_id, "FINISHED")
+    with run_status(uri, run_id):
+        yield run_id
 
 
 def _param(key: str, value: str):

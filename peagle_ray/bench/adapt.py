@@ -1,6 +1,7 @@
 """`peagle-ray bench adapt`: does adapting the served drafter to a workload pay, against what a user would
-pick instead? One run per workload, every figure from one machine and one run:
+pick instead? One run per workload, every figure from one machine and one run.
 
+For each workload:
   1. split the workload's prompts by prompt id (train / held-out; held-out prompts never reach the endpoint);
   2. serve the un-adapted drafter (registered as version 1 in the bench's own MLflow store) with recording
      on, and send the train split as an OpenAI client would: batch 1, the endpoint's default sampling;
@@ -11,11 +12,7 @@ pick instead? One run per workload, every figure from one machine and one run:
      decoding (`method: suffix`, training-free; its response cache is fed the train split first; needs
      arctic-inference's suffix tree importable: scripts/build_suffix_decoding.sh, else reported as skipped).
 
-Workloads (each a real task family, not a benchmark's mix):
-  humaneval        code completion: HumanEval's 164 function stubs as user turns (the `data` extra).
-  builtin-CATEGORY one category of the built-in suite (40 prompts; e.g. builtin-coding).
-  sharegpt-WORD    one task family from real chat traffic: ShareGPT first turns containing WORD (e.g.
-                   sharegpt-email: "write an email ..."), prose with shared structure.
+Workloads: data/workload.py (each a real task family, not a benchmark's mix).
 
 Goals (issue 21; ratios within the run): held-out AL >= 2.0, >= 1.5x the target alone, >= 1.3x the
 un-adapted drafter, ahead of suffix decoding; general-suite AL at most 0.02 below the un-adapted drafter
@@ -24,62 +21,34 @@ un-adapted drafter, ahead of suffix decoding; general-suite AL at most 0.02 belo
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
+from peagle_ray.options import Opt
+
+if TYPE_CHECKING:
+    from peagle_ray.adapt import AdaptReport
+    from peagle_ray.serve.client import Sent
 
 GOALS = {"acceptance_length": 2.0, "speedup": 1.5, "vs_unadapted": 1.3, "general_drop": 0.02}
-
-
-def workload_prompts(name: str) -> list:
-    """The workload's prompts (data.public.EvalPrompt), in a stable order."""
-    from peagle_ray.data.prepare import BadRows
-    from peagle_ray.data.public import EvalPrompt, humaneval_prompts, sharegpt_conversations
-    from peagle_ray.data.suite import CATEGORIES, builtin_conversations
-
-    if name == "humaneval":
-        return humaneval_prompts()
-    if name.startswith("builtin-") and name[len("builtin-") :] in CATEGORIES:
-        return [
-            EvalPrompt(c.sample_id, name, [m for m in c.messages if m["role"] != "assistant"])
-            for c in builtin_conversations((name[len("builtin-") :],))
-        ]
-    if name.startswith("sharegpt-") and len(name) > len("sharegpt-"):
-        word = re.compile(rf"\b{re.escape(name.split('-', 1)[1])}\b", re.IGNORECASE)
-        out = []
-        for c in sharegpt_conversations(None, 0, 0.0, BadRows()):
-            user = next(m["content"] for m in c.messages if m["role"] == "user")
-            if word.search(user) and len(user) < 2000:
-                out.append(EvalPrompt(c.sample_id, name, [{"role": "user", "content": user}]))
-        return out
-    raise ConfigError(
-        "workload must be 'humaneval', 'sharegpt-WORD' (e.g. sharegpt-email) or 'builtin-CATEGORY' (one of "
-        f"{', '.join(CATEGORIES)}); got {name!r}"
-    )
-
-
-def split_prompts(prompts: list, heldout_fraction: float, train_count: int, heldout_count: int):
-    """(train, held-out) by a stable hash of each prompt's id (data.prepare.split_of), capped at the counts."""
-    from peagle_ray.data.prepare import split_of
-
-    train = [p for p in prompts if split_of(p.prompt_id, heldout_fraction) == "train"]
-    heldout = [p for p in prompts if split_of(p.prompt_id, heldout_fraction) == "validation"]
-    return train[:train_count], heldout[:heldout_count]
 
 
 def run(
     cfg: PeagleConfig,
     drafters: dict[str, Path],
-    workloads: tuple[str, ...] = ("humaneval", "sharegpt-email"),
-    train_prompts: int = 96,
-    heldout_prompts: int = 24,
-    max_tokens: int = 128,
-    steps: int = 200,
+    workloads: Annotated[tuple[str, ...], Opt("humaneval, sharegpt-WORD (e.g. sharegpt-email), builtin-CATEGORY.")] = (
+        "humaneval",
+        "sharegpt-email",
+    ),
+    train_prompts: Annotated[int, Opt("Train-split prompts sent to the endpoint.")] = 96,
+    heldout_prompts: Annotated[int, Opt("Held-out prompts measured.")] = 24,
+    max_tokens: Annotated[int, Opt("Tokens per request (recording and measurement).")] = 128,
+    steps: Annotated[int, Opt("Adaptation steps (adapt.max_steps).")] = 200,
     progress=print,
 ) -> dict:
     """{"workloads": {name: result}, "goals": {name: {...}}} (module docstring)."""
@@ -103,6 +72,7 @@ def run(
 def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, steps, progress) -> dict:
     from peagle_ray.adapt import run_adapt
     from peagle_ray.cluster import ensure_ray
+    from peagle_ray.data.workload import split_prompts, workload_prompts
     from peagle_ray.serve.app import free_port
     from peagle_ray.tracking import metric_times, register_export
 
@@ -127,32 +97,33 @@ def workload_run(cfg, base: Path, name, train_count, heldout_count, max_tokens, 
     register_export(uri, wcfg, "unadapted", base, work / "mlflow")
     ensure_ray()
     recorded = record_traffic(wcfg, base, train, max_tokens)
-    progress(f"[bench adapt] {name}: {recorded['requests']} requests recorded in {recorded['seconds']:.0f} s")
+    progress(f"[bench adapt] {name}: {recorded.requests} requests recorded in {recorded.seconds:.0f} s")
     started = time.monotonic()
     report = run_adapt(wcfg)
     minutes = (time.monotonic() - started) / 60
     curve = [
         {"step": step, "minutes": round(seconds / 60, 2), "acceptance_length": round(al, 4)}
-        for step, al, seconds in metric_times(uri, report["run_id"], VAL_ACCEPTANCE_LENGTH)
+        for step, al, seconds in metric_times(uri, report.run_id, VAL_ACCEPTANCE_LENGTH)
     ]
     measured = measure(wcfg, report, base, train, heldout)
     return {
         "train_prompts": len(train),
         "heldout_prompts": len(heldout),
-        "recording": recorded,
+        "recording": asdict(recorded),
         "adaptation_minutes": round(minutes, 2),
-        "adapt": {k: report[k] for k in ("version", "k", "samples", "gain", "regression", "promote", "why")},
-        "general": {who: report["measured"][who]["general"] for who in ("parent", "new")},
+        "adapt": {"version": report.version, "k": report.k, "samples": report.samples, **asdict(report.verdict)},
+        "general": {who: report.measured[who].general for who in ("parent", "new")},
         "curve": curve,
         "heldout": measured,
     }
 
 
-def record_traffic(cfg: PeagleConfig, base: Path, prompts: list, max_tokens: int) -> dict:
+def record_traffic(cfg: PeagleConfig, base: Path, prompts: list, max_tokens: int) -> Sent:
     """The train split through the recording endpoint (serving `base` as the registry's version 1), then the
     endpoint stopped; send_traffic's figures."""
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import start_endpoint, stop_endpoint
+    from peagle_ray.serve.client import send_traffic
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
@@ -164,82 +135,30 @@ def record_traffic(cfg: PeagleConfig, base: Path, prompts: list, max_tokens: int
         stop_endpoint()
 
 
-def send_traffic(cfg: PeagleConfig, url: str, model: str, prompts: list, max_tokens: int, progress=None) -> dict:
-    """`prompts` (data.public.EvalPrompt) to the endpoint at `url` as an OpenAI client would: one at a time, the
-    endpoint's default sampling; {"requests", "failed", "seconds"}. A failed request is counted, not raised.
-    progress: a tqdm-like bar to update per request (None: silent)."""
-    import openai
-
-    api = openai.OpenAI(base_url=f"{url}/v1", api_key=cfg.serving.api_token or "none", max_retries=0, timeout=600)
-    failed, started = 0, time.monotonic()
-    for prompt in prompts:
-        try:
-            api.chat.completions.create(
-                model=model,
-                messages=prompt.messages,
-                max_tokens=max_tokens,
-                extra_body={"metadata": {"conversation_id": prompt.prompt_id}},  # adapt splits by it
-            )
-        except openai.OpenAIError:
-            failed += 1
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(failed=failed)
-    return {"requests": len(prompts), "failed": failed, "seconds": round(time.monotonic() - started, 1)}
-
-
-def measure(cfg: PeagleConfig, report: dict, base: Path, train: list, heldout: list) -> dict:
-    """Held-out rows (eval's "overall" shape) per decoder, all at the served K, in one run."""
+def measure(cfg: PeagleConfig, report: AdaptReport, base: Path, train: list, heldout: list) -> dict:
+    """Held-out rows (eval's "overall" shape) per decoder, all at the served K, in one run (eval.compare)."""
     from transformers import AutoTokenizer
 
     from peagle_ray.data.prepare import render
-    from peagle_ray.eval.metrics import summarize
-    from peagle_ray.eval.sweep import run_engine
-    from peagle_ray.export.speculators import read_drafter, speculative_config
+    from peagle_ray.eval import compare
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(target)
     ids = lambda ps: [render(tokenizer, p.messages, add_generation_prompt=True) for p in ps]  # noqa: E731
-    prompts, warm = {"heldout": ids(heldout)}, ids(train)
-    k = report["k"]
-    decoders = {
-        "unadapted": (speculative_config(read_drafter(base), k), None),
-        "adapted": (speculative_config(read_drafter(Path(report["export_dir"])), k), None),
-        "ngram": (
-            {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-            None,
-        ),
-        "suffix": ({"method": "suffix", "num_speculative_tokens": k}, warm),
-    }
-    baseline = run_engine(cfg, target, None, prompts, cfg.eval.timing_prompts)
-    rows: dict[str, dict] = {"target": dict(summarize(0, baseline, baseline)["overall"])}  # rows and notes
-    for name, (spec, warmup) in decoders.items():
-        if name == "suffix" and not suffix_available():
-            rows[name] = {
-                "skipped": "vLLM's suffix decoding needs arctic-inference's suffix tree: scripts/build_suffix_decoding.sh "
-                "builds it; put its directory on PYTHONPATH"
-            }
-            continue
-        try:
-            run = run_engine(cfg, target, spec, prompts, cfg.eval.timing_prompts, warmup)
-        except RuntimeError as err:  # a peer that fails to run is reported; the figures measured so far stay
-            if name in ("unadapted", "adapted"):
-                raise
-            rows[name] = {"failed": str(err)}
-            continue
-        rows[name] = dict(summarize(k, baseline, run)["overall"])
+    k = report.k
+    candidates = [
+        compare.drafter("unadapted", base, k),
+        compare.drafter("adapted", Path(report.export_dir), k),
+        compare.ngram(k),
+        compare.suffix(k, warmup=ids(train)),  # its response cache fed the train split first
+    ]
+    rows = compare.compare(cfg, target, candidates, {"heldout": ids(heldout)}, cfg.eval.timing_prompts).overall()
     unadapted = rows["unadapted"]["tokens_per_s"]
     rows["adapted"]["speedup_vs_unadapted"] = (
         round(rows["adapted"]["tokens_per_s"] / unadapted, 3) if unadapted else None
     )
     return rows
-
-
-def suffix_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("arctic_inference") is not None
 
 
 def goals(result: dict) -> dict:

@@ -26,12 +26,13 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
 from peagle_ray.config import ConfigError, PeagleConfig, with_overrides, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
+from peagle_ray.options import Opt
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
@@ -80,10 +81,18 @@ def training_mix(traffic: list[Record], general: list[Record], keep: float, repl
 
 def run(
     cfg: PeagleConfig,
-    adaptation: Path | None = None,
-    variants: dict[str, list[str]] | list[list[str]] | None = None,
-    budgets: Sequence[int] = (100, 300),
-    general_records: int = 12,
+    adaptation: Annotated[Path | None, Opt("A directory `peagle-ray adapt` wrote (<storage>/adapt/<id>).")] = None,
+    variants: Annotated[
+        dict[str, list[str]] | list[list[str]] | None,
+        Opt(
+            "A variant: its name, then overrides: SECTION.FIELD=VALUE, traffic=SHARE (of the recorded training "
+            "requests), replay=SHARE (general records in the mix); repeatable, the first is the baseline; none "
+            "given: VARIANTS",
+            variants=True,
+        ),
+    ] = None,
+    budgets: Annotated[Sequence[int], Opt("Steps to measure at (one run per variant to the largest).")] = (100, 300),
+    general_records: Annotated[int, Opt("General validation records replayed (forgetting).")] = 12,
     progress=print,
 ) -> dict:
     """The module docstring's result for one adaptation directory."""

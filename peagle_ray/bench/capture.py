@@ -19,11 +19,12 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from peagle_ray.capture.stage import TIMING_COLUMNS
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env, use_local_cores
+from peagle_ray.options import Opt
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
@@ -131,7 +132,12 @@ def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) 
     return records, {"replicas": replicas, "actors": actors, **row, "passes_tokens_per_s": passes_tok_s}, bad
 
 
-def run(cfg: PeagleConfig, num_sequences: int = 64, seq_len: int = 256, replicas: tuple[int, ...] = (1,)) -> dict:
+def run(
+    cfg: PeagleConfig,
+    num_sequences: Annotated[int, Opt("Sequences captured.", flag="--sequences")] = 64,
+    seq_len: Annotated[int, Opt("Tokens per sequence.")] = 256,
+    replicas: Annotated[tuple[int, ...], Opt("Target replica counts measured, e.g. 1 2.")] = (1,),
+) -> dict:
     """Plain prefill once, then the capture pipeline for each replica count (capture.num_actors raised to at
     least the replica count; capture.max_replicas_per_node places them)."""
     from peagle_ray.capture.pipeline import write_offline

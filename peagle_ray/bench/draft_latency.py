@@ -12,12 +12,13 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import get_args
+from typing import Annotated, get_args
 
 import torch
 
 from peagle_ray.bench.shapes import bench_arch, random_drafter
 from peagle_ray.drafter.model import Algorithm, DraftCache
+from peagle_ray.options import Opt
 
 
 def proposal_ms(
@@ -48,12 +49,12 @@ def proposal_ms(
 
 
 def run(
-    draft_vocab_size: int | None = 32768,
-    max_k: int = 8,
-    context: int = 256,
-    repeats: int = 30,
-    target: Path | None = None,
-    num_layers: int = 1,
+    draft_vocab_size: Annotated[int | None, Opt("Draft vocabulary (0 = the full target vocabulary).")] = 32768,
+    max_k: Annotated[int, Opt("Largest K measured.")] = 8,
+    context: Annotated[int, Opt("Positions already in the drafter's KV cache.")] = 256,
+    repeats: Annotated[int, Opt("Proposals timed per K.")] = 30,
+    target: Annotated[Path | None, Opt("Take the drafter's shape from this target (default: SmolLM2's).")] = None,
+    num_layers: Annotated[int, Opt("Drafter decoder layers (drafter.num_layers).")] = 1,
 ) -> dict:
     """draft_vocab_size 0 or None: the full target vocabulary."""
     arch = bench_arch("peagle", 1, draft_vocab_size or None, num_layers, target)

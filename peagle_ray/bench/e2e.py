@@ -14,12 +14,17 @@ EAGLE-3: 1.3 x step cost x EAGLE-3's speedup). An AL above K + 1 cannot be reach
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from peagle_ray.config import PeagleConfig
+from peagle_ray.options import Opt
 
 
-def run(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None = None) -> dict:
+def run(
+    cfg: PeagleConfig,
+    drafters: dict[str, Path],
+    k_values: Annotated[list[int] | None, Opt("K values (default: eval.k_values).", flag="--k")] = None,
+) -> dict:
     from peagle_ray.eval.sweep import run_eval
     from peagle_ray.target import resolve_target_path
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
 from peagle_ray.config import PeagleConfig, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, acceptance_metric
+from peagle_ray.options import Opt
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
@@ -203,7 +204,7 @@ def _mean_over_records(rows: list[dict[str, list[float]]]) -> dict[str, list[flo
 def run(
     cfg: PeagleConfig,
     drafters: dict[str, Path],
-    validation_records: int = 16,
+    validation_records: Annotated[int, Opt("Validation records measured.")] = 16,
     attention_records: int = 4,
     progress=print,
 ) -> dict:

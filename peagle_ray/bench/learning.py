@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
 from peagle_ray.config import PeagleConfig, with_overrides, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, acceptance_metric, bench_dir, mlflow_dir
+from peagle_ray.options import Opt
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
@@ -100,20 +100,18 @@ def train_and_measure(
     """Train one drafter for max(budgets) steps (cfg.training.max_steps is set to that by the caller), cycling
     through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
     `measure(drafter, teacher, steps)` for extra figures, and append a row."""
-    from peagle_ray.train.step import make_optimizer, train_step
+    from peagle_ray.train.step import drafter_step, train_loop
     from peagle_ray.train.worker import to_sequence
 
     tcfg = cfg.training
     drafter, teacher = initial_drafter(cfg)
-    optimizer, scheduler = make_optimizer(drafter, tcfg)
     generator = torch.Generator().manual_seed(tcfg.seed + 1)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     rows, tokens, seconds, per_step = [], 0, 0.0, tcfg.sequences_per_step
-    for step in range(max(budgets)):
-        batch = [to_sequence(train[(step * per_step + i) % len(train)]) for i in range(per_step)]
-        started = time.perf_counter()
-        stats = train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, tcfg, generator)
-        seconds += time.perf_counter() - started
+    step_fn = drafter_step(drafter, teacher, cfg.drafter, tcfg, generator)
+    for done in train_loop(drafter, train, tcfg, step_fn, max(budgets), to_sequence):
+        step, stats = done.step - 1, done.stats
+        seconds += done.seconds
         tokens += stats.positions
         if step + 1 not in budgets:
             continue
@@ -137,7 +135,8 @@ def train_and_measure(
 def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object, int], dict]:
     """measure(drafter, teacher, steps): export the drafter and read stock vLLM's acceptance on eval.suite (greedy,
     eval.max_new_tokens, eval.prompts_per_category per category, K = drafter.num_depths)."""
-    from peagle_ray.eval.sweep import eval_prompts, run_engine
+    from peagle_ray.eval.compare import run_engine
+    from peagle_ray.eval.sweep import eval_prompts
     from peagle_ray.export.speculators import export_drafter, read_drafter, speculative_config
     from peagle_ray.spec_counters import SpecStats
     from peagle_ray.train.job import check_inputs
@@ -152,7 +151,7 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object
             drafter, work_dir / f"{cfg.drafter.algorithm}-{steps}", target_dir, inputs.aux_layer_ids, k
         )
         run = run_engine(cfg, target_dir, speculative_config(read_drafter(out), k), prompts, timing_prompts=0)
-        counters = sum((SpecStats(**c["counters"]) for c in run["acceptance"].values()), SpecStats())
+        counters = sum((SpecStats(**c["counters"]) for c in run.acceptance.values()), SpecStats())
         return {
             "suite_acceptance_length": round(counters.acceptance_length, 4),
             "suite_acceptance_per_position": [round(r, 4) for r in counters.acceptance_per_position],
@@ -163,8 +162,15 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object
 
 def ablation(
     cfg: PeagleConfig,
-    variants: dict[str, list[str]] | list[list[str]] | None = None,
-    steps: int = 100,
+    variants: Annotated[
+        dict[str, list[str]] | list[list[str]] | None,
+        Opt(
+            "A variant: its name, then config overrides (repeatable; the first is the baseline), e.g. "
+            "--variant base --variant frozen drafter.freeze_lm_head=true",
+            variants=True,
+        ),
+    ] = None,
+    steps: Annotated[int, Opt("Optimizer steps per variant.")] = 100,
     progress: Progress = print,
 ) -> dict:
     """One run per variant ({name: ["section.field=value", ...]}, or [[name, override, ...], ...] as the CLI
@@ -192,8 +198,11 @@ def ablation(
 
 def learning_curve(
     cfg: PeagleConfig,
-    budgets: Sequence[int] = (50, 100, 200, 400),
-    algorithms: Sequence[str] = ("peagle", "eagle3"),
+    budgets: Annotated[Sequence[int], Opt("Steps to measure at.")] = (50, 100, 200, 400),
+    algorithms: Annotated[Sequence[str], Opt("Algorithms trained.", choices=("peagle", "eagle3"))] = (
+        "peagle",
+        "eagle3",
+    ),
     work_dir: Path | None = None,
     progress: Progress = print,
 ) -> dict:

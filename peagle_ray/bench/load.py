@@ -14,8 +14,10 @@ import statistics
 import time
 import urllib.request
 from pathlib import Path
+from typing import Annotated
 
 from peagle_ray.config import PeagleConfig
+from peagle_ray.options import Opt
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -78,11 +80,11 @@ def load_prompts() -> list[str]:
 
 def run(
     cfg: PeagleConfig,
-    url: str | None = None,
-    clients: int = 32,
-    requests_per_client: int = 2,
-    max_tokens: int = 64,
-    drafter_dir=None,
+    url: Annotated[str | None, Opt("A running endpoint (default: start one from the config, stop it after).")] = None,
+    clients: Annotated[int, Opt("Concurrent OpenAI clients.")] = 32,
+    requests_per_client: Annotated[int, Opt("Requests each client sends.")] = 2,
+    max_tokens: Annotated[int, Opt("Tokens per request.")] = 64,
+    drafter_dir: Annotated[Path | None, Opt("Drafter for an endpoint this command starts.", flag="--drafter")] = None,
 ) -> dict:
     from peagle_ray.target import resolve_target_path
 

@@ -9,7 +9,7 @@ For each (N, K): a fresh COD sampling per step (as the job samples), and
                       frozen head, float32) on those elements, masks rebuilt inside,
   * mask_share_of_step = rebuilt_ms / step_s.
 On GPU the step uses a flex BlockMask (create_block_mask over the rule's mask_mod), which a dense table cannot
-feed; on CPU the rebuilt mask is ~1% of a step (measured: 0.6% at N = 1024, K = 4; 1.8% at N = 2048, K = 8),
+feed; on CPU the rebuilt mask is a small share of a step (docs/bench_mask_smollm2.json, docs/benchmarks.md),
 so the job rebuilds it.
 """
 
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Annotated
 
 import torch
 
 from peagle_ray.bench.shapes import bench_arch, random_drafter, random_sequence
 from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.elements import Elements, attention_mask
+from peagle_ray.options import Opt
 from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.step import sequence_backward
 
@@ -69,10 +71,10 @@ def one_shape(n: int, k: int, steps: int, draft_vocab_size: int, generator: torc
 
 
 def run(
-    max_positions: tuple[int, ...] = (1024, 2048),
-    depths: tuple[int, ...] = (4, 8),
-    steps: int = 3,
-    draft_vocab_size: int = 32768,
+    max_positions: Annotated[tuple[int, ...], Opt("Positions N of each row.")] = (1024, 2048),
+    depths: Annotated[tuple[int, ...], Opt("K of each row (zipped with --max-positions).")] = (4, 8),
+    steps: Annotated[int, Opt("Steps timed per row (median).")] = 3,
+    draft_vocab_size: Annotated[int, Opt("Draft vocabulary.")] = 32768,
 ) -> dict:
     """One row per (N, K) pair of max_positions x depths, zipped (N = 1024 with K = 4, 2048 with 8)."""
     rows = [

@@ -29,10 +29,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
@@ -44,7 +43,8 @@ from peagle_ray.bench.learning import (
     validation_row,
 )
 from peagle_ray.config import PeagleConfig, with_values
-from peagle_ray.layout import bench_dir, mlflow_dir
+from peagle_ray.layout import ALGORITHMS, bench_dir, mlflow_dir
+from peagle_ray.options import Opt
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
@@ -106,40 +106,41 @@ def reference_loss(model, seq, cfg: PeagleConfig, implementation: str = "eager")
 
 
 def reference_train(model, train: list[Record], cfg: PeagleConfig, progress: Progress = print) -> dict:
-    """cfg.training.max_steps steps of the reference on `train`, in train_and_measure's order and batches, with
-    the job's optimizer and schedule (make_optimizer) and gradient clip. Their COD draws from torch's global
-    generator, seeded with training.seed + 1 (ours: a generator with that seed)."""
-    from peagle_ray.train.step import make_optimizer
+    """cfg.training.max_steps steps of the reference on `train` through the same loop as ours (train_loop: the
+    same order and batches, the job's optimizer and schedule, its gradient clip); only the step's forward and
+    loss are the reference's. Their COD draws from torch's global generator, seeded with training.seed + 1
+    (ours: a generator with that seed)."""
+    from peagle_ray.train.step import StepStats, train_loop
     from peagle_ray.train.worker import to_sequence
 
     tcfg = cfg.training
     torch.manual_seed(tcfg.seed + 1)
-    optimizer, scheduler = make_optimizer(model, tcfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    tokens, seconds, per_step, loss_sum = 0, 0.0, tcfg.sequences_per_step, 0.0
-    for step in range(tcfg.max_steps):
-        batch = [to_sequence(train[(step * per_step + i) % len(train)]) for i in range(per_step)]
-        started = time.perf_counter()
+
+    def step(optimizer, scheduler, batch) -> StepStats:
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        stats = StepStats(positions=sum(s.num_positions for s in batch))
         for seq in batch:
             loss, _ = reference_loss(model, seq, cfg)
             (loss / len(batch)).backward()
-            loss_sum += float(loss.detach()) / len(batch)
-        torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+            stats.loss += float(loss.detach()) / len(batch)
+        stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
         optimizer.step()
         scheduler.step()
-        seconds += time.perf_counter() - started
-        tokens += sum(s.num_positions for s in batch)
-        if (step + 1) % max(1, tcfg.max_steps // 10) == 0:
-            progress(json.dumps({"reference_step": step + 1, "loss": round(loss_sum, 4)}))
+        return stats
+
+    tokens, seconds, loss = 0, 0.0, 0.0
+    for done in train_loop(model, train, tcfg, step, to_sequence=to_sequence):
+        tokens, seconds, loss = tokens + done.stats.positions, seconds + done.seconds, done.stats.loss
+        if done.step % max(1, tcfg.max_steps // 10) == 0:
+            progress(json.dumps({"reference_step": done.step, "loss": round(loss, 4)}))
     return {
         "steps": tcfg.max_steps,
         "train_tokens": tokens,
         "train_seconds": round(seconds, 1),
         "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
         "trainable_parameters": sum(p.numel() for p in params),
-        "train_loss": round(loss_sum, 4),
+        "train_loss": round(loss, 4),
     }
 
 
@@ -207,61 +208,24 @@ def suite_prompts(cfg: PeagleConfig, target_dir: Path, suites, per_suite: int, t
     return prompts, timing
 
 
-def of_suite(run: dict, suite: str) -> dict:
-    """An engine run's result restricted to one suite's categories."""
-    pick = lambda part: {c: v for c, v in part.items() if c.startswith(f"{suite}/")}  # noqa: E731
-    return {"acceptance": pick(run["acceptance"]), "timing": pick(run["timing"])}
-
-
-def decoders(exports: dict, k: int, ngram_k) -> dict[str, dict]:
-    from peagle_ray.export.speculators import read_drafter, speculative_config
-
-    found = {name: speculative_config(read_drafter(path), k) for name, path in exports.items()}
-    for n in ngram_k:
-        found[f"ngram-k{n}"] = {
-            "method": "ngram",
-            "num_speculative_tokens": n,
-            "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2,
-        }
-    found["suffix"] = {"method": "suffix", "num_speculative_tokens": k}
-    return found
-
-
 def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int, ngram_k, progress) -> dict:
-    """{suite: {decoder: row}}: one engine per decoder over every suite's prompts."""
-    from peagle_ray.bench.adapt import suffix_available
-    from peagle_ray.eval.metrics import summarize
-    from peagle_ray.eval.sweep import run_engine
+    """{suite: {decoder: row or note}}: one engine per decoder over every suite's prompts (eval.compare)."""
+    from peagle_ray.eval import compare
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
     prompts, timing = suite_prompts(cfg, target, suites, per_suite, timed)
     k = cfg.drafter.num_depths
-    baseline = run_engine(cfg, target, None, prompts, timing)
-    result: dict[str, dict[str, dict]] = {  # per suite: decoder -> its row, or a note why it did not run
-        s: {"target": dict(summarize(0, of_suite(baseline, s), of_suite(baseline, s))["overall"])} for s in suites
-    }
-    for name, spec in decoders(exports, k, ngram_k).items():
-        if name == "suffix" and not suffix_available():
-            for s in suites:
-                result[s][name] = {
-                    "skipped": "suffix decoding needs arctic-inference: scripts/build_suffix_decoding.sh"
-                }
-            continue
-        progress(f"bench peers: measuring {name} on {', '.join(suites)}")
-        try:
-            run = run_engine(cfg, target, spec, prompts, timing)
-        except RuntimeError as err:  # a peer that fails to run is reported; the figures measured so far stay
-            if name in exports:
-                raise
-            for s in suites:
-                result[s][name] = {"failed": str(err)}
-            continue
-        for s in suites:
-            rows = summarize(spec["num_speculative_tokens"], of_suite(baseline, s), of_suite(run, s))
-            result[s][name] = dict(rows["overall"])
-    return result
+    candidates = [compare.drafter(name, path, k) for name, path in exports.items()]
+    candidates += [compare.ngram(n, f"ngram-k{n}") for n in ngram_k] + [compare.suffix(k)]
+    say = lambda what: progress(f"bench peers: measuring {what} on {', '.join(suites)}")  # noqa: E731
+    judged = compare.compare(cfg, target, candidates, prompts, timing, say)
+    return {s: judged.overall(in_suite(s)) for s in suites}
+
+
+def in_suite(suite: str) -> Callable[[str], bool]:
+    """Whether a category ("suite/category", suite_prompts' names) belongs to `suite`."""
+    return lambda category: category.startswith(f"{suite}/")
 
 
 def best_ngram(rows: dict) -> str | None:
@@ -293,12 +257,12 @@ def goals(result: dict) -> dict:
 
 def run(
     cfg: PeagleConfig,
-    steps: int | None = None,
-    algorithms: tuple[str, ...] = ("peagle", "eagle3"),
-    suites: Sequence[str] = SUITES,
-    prompts: int = 16,
-    timed: int = 8,
-    ngram_k: tuple[int, ...] = (2, 3, 4),
+    steps: Annotated[int | None, Opt("Training steps of every trainer (default training.max_steps).")] = None,
+    algorithms: Annotated[tuple[str, ...], Opt("Our algorithms trained.", choices=ALGORITHMS)] = ("peagle", "eagle3"),
+    suites: Annotated[Sequence[str], Opt("Eval suites.", choices=SUITES)] = SUITES,
+    prompts: Annotated[int, Opt("Prompts per suite (spread over its categories).")] = 16,
+    timed: Annotated[int, Opt("Prompts per suite timed at batch 1 (the rest only count acceptance).")] = 8,
+    ngram_k: Annotated[tuple[int, ...], Opt("K values of vLLM's n-gram drafter.")] = (2, 3, 4),
     progress: Progress = print,
 ) -> dict:
     """Train ours and the reference for `steps` (default training.max_steps), then measure every decoder on

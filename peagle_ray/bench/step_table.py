@@ -16,7 +16,7 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
@@ -24,6 +24,7 @@ from peagle_ray.bench.shapes import SHAPES
 from peagle_ray.config import PeagleConfig, with_values
 from peagle_ray.drafter.model import Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
+from peagle_ray.options import Opt
 
 
 def shape_arch(shape: str, depths: int, draft_vocab_size: int, layers: int) -> DrafterArch:
@@ -198,14 +199,17 @@ def _label(kind: str, args: dict) -> dict:
 
 
 def run(
-    shapes=("qwen3-8b", "llama3.1-8b"),
-    seq_lens=(2048, 8192, 32768),
+    shapes: Annotated[tuple[str, ...], Opt("Shapes (bench/shapes.py SHAPES): qwen3-8b, llama3.1-8b, tiny.")] = (
+        "qwen3-8b",
+        "llama3.1-8b",
+    ),
+    seq_lens: Annotated[tuple[int, ...], Opt("Positions per sequence.")] = (2048, 8192, 32768),
     depths: int = 8,
     draft_vocab_size: int = 32768,
-    layers: int = 1,
-    segment_length: int = 8192,
+    layers: Annotated[int, Opt("Drafter layers.")] = 1,
+    segment_length: Annotated[int, Opt("Elements per partition segment.")] = 8192,
     bf16: bool = True,
-    timeout_s: float = 300.0,
+    timeout_s: Annotated[float, Opt("Seconds each (shape, trainer, attention) process may run.")] = 300.0,
     progress=print,
 ) -> dict:
     """Every shape: ours with flex (CUDA only: its backward does not run on CPU) and SDPA, the reference."""

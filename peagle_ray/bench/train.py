@@ -18,24 +18,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Annotated
 
 import torch
 from safetensors.torch import save_file
 
 from peagle_ray.config import PeagleConfig
+from peagle_ray.options import Opt
 from peagle_ray.target import read_target_info
-
-# The peer trainer was not re-run here; these are its figures as the team measured them before this project
-# began (the design notes, outside this repository: same machine type, same drafter shape, fp32), quoted so
-# the JSON stands on its own.
-PEER_TRAINER = {
-    "ran": False,
-    "reason": "speculators 0.9.0 is not a dependency of this project: on CPU it trains only after runtime "
-    "patches to its accelerator calls, and it reads its own hidden-state files, not our shards, so "
-    "running it on the same records needs a converter and a patched copy of its trainer",
-    "reference_tokens_per_s": {"N1024_K4": 310, "N4096_K8": 123, "N8192": "out of memory on 24 GB"},
-    "reference_source": "the design notes (not in this repository): speculators P-EAGLE, --draft-attn-impl sdpa --loss-implementation eager",
-}
 
 
 def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int, seq_len: int, seed: int = 0) -> None:
@@ -69,7 +59,11 @@ def synthetic_inputs(work: Path, target_dir: Path, aux_layers: int, records: int
 
 
 def run(
-    cfg: PeagleConfig, workers: tuple[int, ...] = (1, 2), steps: int = 6, seq_len: int = 1024, progress=print
+    cfg: PeagleConfig,
+    workers: Annotated[tuple[int, ...], Opt("Worker counts measured.")] = (1, 2),
+    steps: Annotated[int, Opt("Steps per worker count (the first is warm-up).")] = 6,
+    seq_len: Annotated[int, Opt("Positions per training sequence.")] = 1024,
+    progress=print,
 ) -> dict:
     import ray
 
@@ -103,7 +97,6 @@ def run(
         "precision": cfg.training.precision,
         "results": results,
         "two_worker_speedup": None if scaling is None else round(scaling, 2),
-        "peer_trainer": PEER_TRAINER,
     }
 
 

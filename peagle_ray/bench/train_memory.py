@@ -22,11 +22,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Annotated, Any
 
 import torch
 
 from peagle_ray.bench.shapes import bench_arch, random_drafter, random_sequence
 from peagle_ray.config import DrafterConfig
+from peagle_ray.options import Opt
 from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.step import sequence_backward
 
@@ -170,14 +172,14 @@ def _run_child(args: list[str], memory_limit_gb: float) -> dict:
 
 
 def run(
-    seq_lens=(1024, 2048, 4096, 8192),
-    depths=(4, 8),
-    segment_length: int = 2048,
-    draft_vocab_size: int = 32768,
-    memory_limit_gb: float = 18.0,
+    seq_lens: Annotated[tuple[int, ...], Opt("Positions per sequence.")] = (1024, 2048, 4096, 8192),
+    depths: Annotated[tuple[int, ...], Opt("K values.")] = (4, 8),
+    segment_length: Annotated[int, Opt("Elements per partition segment.")] = 2048,
+    draft_vocab_size: Annotated[int, Opt("Draft vocabulary.")] = 32768,
+    memory_limit_gb: Annotated[float, Opt("Stop a configuration past this RSS.")] = 18.0,
     progress=print,
-    freeze_lm_head: bool = False,
-    bf16: bool = False,
+    freeze_lm_head: Annotated[bool, Opt("Measure with the draft lm_head frozen.")] = False,
+    bf16: Annotated[bool, Opt("Under bfloat16 autocast (training.precision).")] = False,
     reference: bool | None = None,
 ) -> dict:
     """Every (N, K): ours partitioned and not, and the reference (default: when speculators is installed)."""
@@ -197,7 +199,7 @@ def run(
                     str(int(freeze_lm_head)),
                     str(int(bf16)),
                 ]
-                row = {"seq_len": n, "depths": k, "trainer": "ours", "partitioned": partitioned}
+                row: dict[str, Any] = {"seq_len": n, "depths": k, "trainer": "ours", "partitioned": partitioned}
                 row.update(_run_child(args, memory_limit_gb))
                 progress(json.dumps(row))
                 rows.append(row)

@@ -1,9 +1,10 @@
-"""The pure part of evaluation: one sweep's raw counts and timings (vllm_run's JSON) -> per-category metrics
-(Row), their spread, and the verdict on K; the sweep's result types (AlgorithmResult, SweepResult, whose
+"""The pure part of evaluation: one engine's raw counts and timings (EngineRun, vllm_run's JSON) -> per-category
+metrics (Row), their spread, and the verdict on K; the sweep's result types (AlgorithmResult, SweepResult, whose
 to_json() is eval.json). No vLLM, no MLflow: tested with literal values (tests/test_eval.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import NotRequired, TypedDict
 
@@ -26,6 +27,22 @@ class Row(TypedDict):
     step_cost_vs_target: float | None  # one draft-and-verify step in target decode steps
     greedy_mismatches: int  # prompts whose greedy output differs from the target alone's
     speedup_vs_eagle3: NotRequired[float | None]  # P-EAGLE's rows, when both algorithms ran
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One engine over a prompt set (eval/vllm_run.py's OUT): per category, `acceptance` (every prompt's output
+    tokens and vLLM's counters over all of them) and `timing` (the batch-1 prompts: tokens, seconds, per prompt
+    [tokens, seconds], counters)."""
+
+    acceptance: dict[str, dict]
+    timing: dict[str, dict]
+    engine_start_s: float = 0.0
+
+    def only(self, keep: Callable[[str], bool]) -> EngineRun:
+        """This run restricted to the categories `keep` accepts (e.g. one suite of several run together)."""
+        pick = lambda part: {c: v for c, v in part.items() if keep(c)}  # noqa: E731
+        return EngineRun(pick(self.acceptance), pick(self.timing), self.engine_start_s)
 
 
 ByK = dict[int, dict[str, Row]]  # K -> category (and "overall") -> row
@@ -97,7 +114,7 @@ class SweepResult:
         return out
 
 
-def summarize(k: int, baseline: dict, run: dict) -> dict[str, Row]:
+def summarize(k: int, baseline: EngineRun, run: EngineRun) -> dict[str, Row]:
     """Per category and "overall" metrics of one speculative run against the target-only run.
 
     e.g. a category with counters {drafts 10, accepted 14, per position [8, 5, 1]} -> acceptance [0.8, 0.5,
@@ -106,9 +123,9 @@ def summarize(k: int, baseline: dict, run: dict) -> dict[str, Row]:
     """
     rows: dict[str, Row] = {}
     parts = []
-    for category, acceptance in run["acceptance"].items():
-        t, b = run["timing"][category], baseline["timing"][category]
-        expected = baseline["acceptance"][category]["tokens"]
+    for category, acceptance in run.acceptance.items():
+        t, b = run.timing[category], baseline.timing[category]
+        expected = baseline.acceptance[category]["tokens"]
         wrong = sum(x != y for x, y in zip(acceptance["tokens"], expected, strict=True))  # prompts that differ
         part = (
             SpecStats(**acceptance["counters"]),

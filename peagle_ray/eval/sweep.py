@@ -4,8 +4,8 @@ greedy mismatches against the target alone; per algorithm the fastest K, written
 drafter's config.json, and the verdict (`recommend_k`: draft at it, or not at all when it is not measurably
 faster than the target alone) in the drafter's recommendation.json, which serving follows.
 
-Each configuration is one vLLM engine in its own process (`vllm_run`): the first eval.timing_prompts of
-a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
+Each configuration is one vLLM engine in its own process (eval/compare.py, `vllm_run`): the first
+eval.timing_prompts of a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
 split (the prompt part of each conversation), MT-Bench or HumanEval; eval.prompts_per_category per category.
 
 Per category and overall (eval/metrics.py): k, acceptance_per_position, acceptance_length, tokens_per_s,
@@ -17,19 +17,17 @@ table and the MLflow record: eval/report.py.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from peagle_ray.config import PeagleConfig
-from peagle_ray.engine import engine_args, target_engine_env
+from peagle_ray.eval.compare import compare, drafter
 from peagle_ray.eval.metrics import AlgorithmResult, SweepResult, summarize
 from peagle_ray.eval.report import format_table, log_results
-from peagle_ray.export.speculators import Recommendation, read_drafter, speculative_config
+from peagle_ray.export.speculators import Recommendation
 from peagle_ray.layout import ALGORITHMS, eval_dir, export_dir, mlflow_dir, run_name_for
 
 
@@ -82,48 +80,6 @@ def _suite_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[i
     return dict(sorted(prompts.items()))
 
 
-def run_engine(
-    cfg: PeagleConfig,
-    target_dir: Path,
-    spec_config: dict | None,
-    prompts: dict[str, list[list[int]]],
-    timing_prompts: int | dict[str, int],
-    warmup: list[list[int]] | None = None,
-) -> dict:
-    """One engine (eval/vllm_run.py) over `prompts`; the first `timing_prompts` of each category (one count for
-    all, or {category: count}) are timed at batch 1; `warmup` prompts are generated first, unmeasured."""
-    import torch
-
-    spec = {
-        "engine_args": engine_args(cfg, target_dir, torch.cuda.is_available(), spec_config),
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "acceptance": prompts,
-        "timing": {
-            c: min(timing_prompts if isinstance(timing_prompts, int) else timing_prompts[c], len(p))
-            for c, p in prompts.items()
-        },
-        "warmup": warmup or [],
-    }
-    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
-        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_file.write_text(json.dumps(spec))
-        log = Path(cfg.serving.log_dir) / "eval-engine.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("a") as sink:
-            proc = subprocess.run(
-                [sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env=target_engine_env(cfg.target, on_gpu=torch.cuda.is_available()),
-            )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"evaluation engine ({spec_config or 'target only'}) failed with exit code "
-                f"{proc.returncode}; log: {log}"
-            )
-        return json.loads(out_file.read_text())
-
-
 def set_drafter_k(drafter_dir: Path, k: int) -> None:
     """Write the recommended K into the exported drafter's config (serving's default K)."""
     config_file = Path(drafter_dir) / "config.json"
@@ -151,8 +107,24 @@ def run_eval(
     algorithm's recommended K in its drafter's config.json."""
     prompts = eval_prompts(cfg, target_dir)
     k_values = sorted(k_values or cfg.eval.k_values)
-    plan = [(None, None)] + [(alg, k) for alg in ALGORITHMS if alg in drafters for k in k_values]
-    bar = tqdm(plan, desc="eval", unit="engine", disable=not progress)
+    plan = [(alg, k) for alg in ALGORITHMS if alg in drafters for k in k_values]
+    bar = tqdm(total=1 + len(plan), desc="eval", unit="engine", disable=not progress)
+
+    def advance(what: str) -> None:
+        bar.update(1)
+        bar.set_postfix_str(what)
+
+    bar.set_postfix_str("target only")
+    judged = compare(
+        cfg,
+        target_dir,
+        [drafter(f"{a}@{k}", drafters[a], k) for a, k in plan],
+        prompts,
+        cfg.eval.timing_prompts,
+        advance,
+    )
+    bar.update(1)
+    bar.close()
     results = SweepResult(
         target=str(target_dir),
         suite=cfg.eval.suite,
@@ -163,21 +135,11 @@ def run_eval(
         max_new_tokens=cfg.eval.max_new_tokens,
         dtype=cfg.target.dtype,
     )
-    baseline = None
-    for algorithm, k in bar:
-        bar.set_postfix_str(f"{algorithm or 'target only'}" + (f" K={k}" if k else ""))
-        info = read_drafter(drafters[algorithm]) if algorithm else None
-        run = run_engine(
-            cfg, target_dir, speculative_config(info, k) if info else None, prompts, cfg.eval.timing_prompts
-        )
-        if algorithm is None:
-            baseline = run
-            rows = summarize(0, run, run)
-            results.target_only = {c: {"tokens_per_s": r["tokens_per_s"]} for c, r in rows.items()}
-            continue
-        assert baseline is not None  # the plan starts with the target alone
+    alone = summarize(0, judged.baseline, judged.baseline)
+    results.target_only = {c: {"tokens_per_s": r["tokens_per_s"]} for c, r in alone.items()}
+    for algorithm, k in plan:
         entry = results.algorithms.setdefault(algorithm, AlgorithmResult(str(drafters[algorithm])))
-        entry.by_k[k] = summarize(k, baseline, run)
+        entry.by_k[k] = judged.rows(f"{algorithm}@{k}")
     for algorithm, entry in results.algorithms.items():
         recommendation = entry.decide()
         if write_k:
@@ -190,10 +152,21 @@ def run_eval(
     return results
 
 
-def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None = None) -> dict:
+@dataclass(frozen=True)
+class Evaluation:
+    """What `peagle-ray eval` produced: the sweep, its table, its JSON file, the MLflow runs it logged into
+    ({algorithm: run id}) and where."""
+
+    results: SweepResult
+    table: str
+    json: Path
+    runs: dict[str, str]
+    tracking_uri: str
+
+
+def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None = None) -> Evaluation:
     """`peagle-ray eval` and the demo's evaluation: the sweep, its JSON (<storage>/<eval_name>/eval.json, written
-    before MLflow so a tracking failure loses no measurement), the table, and the MLflow logging. Returns
-    {"results", "table", "json", "runs", "tracking_uri"}."""
+    before MLflow so a tracking failure loses no measurement), the table, and the MLflow logging."""
     from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 
@@ -204,10 +177,4 @@ def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] |
     (work_dir / "eval.json").write_text(json.dumps(results.to_json(), indent=2))
     with tracking_uri(cfg, mlflow_dir(storage)) as uri:
         runs = log_results(uri, cfg, results, drafters, work_dir)
-    return {
-        "results": results.to_json(),
-        "table": format_table(results),
-        "json": work_dir / "eval.json",
-        "runs": runs,
-        "tracking_uri": uri,
-    }
+    return Evaluation(results, format_table(results), work_dir / "eval.json", runs, uri)

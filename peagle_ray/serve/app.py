@@ -316,11 +316,8 @@ def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = N
 
 
 def endpoint_running() -> bool:
-    """Whether this Ray cluster runs the endpoint's application (Ray must be initialised)."""
-    from ray.serve.context import _get_global_client
-
-    if _get_global_client(raise_if_no_controller_running=False) is None:
-        return False
+    """Whether this Ray cluster runs the endpoint's application (Ray must be initialised; serve.status() is
+    empty, and starts nothing, where Serve is not running)."""
     return APP_NAME in serve.status().applications
 
 

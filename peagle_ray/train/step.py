@@ -9,8 +9,10 @@ the sum of segment losses and gradients is exactly the unpartitioned step's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -21,6 +23,8 @@ from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.train.elements import TrainSequence, cod_sample
 from peagle_ray.train.loss import LOSS_CHUNK, kl_loss
 from peagle_ray.train.partition import balanced_boundaries, partition
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -209,7 +213,7 @@ def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Genera
 
 
 def make_optimizer(
-    drafter: Drafter, cfg: TrainingConfig
+    drafter: torch.nn.Module, cfg: TrainingConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over trainable parameters; transformers' linear warm-up (from 0) then cosine decay to 0 at
     max_steps. e.g. warmup 2, max 6, lr 1: 0, 0.5, 1, 0.854, 0.5, 0.146."""
@@ -254,7 +258,50 @@ def train_step(
     return stats
 
 
+Step = Callable[[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, list[TrainSequence]], StepStats]
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One step of train_loop: its number (from 1), its stats and its wall time."""
+
+    step: int
+    stats: StepStats
+    seconds: float
+
+
 def train_loop(
+    model: torch.nn.Module,
+    items: Sequence[T],
+    cfg: TrainingConfig,
+    step: Step,
+    steps: int | None = None,
+    to_sequence: Callable[[T], TrainSequence] | None = None,
+) -> Iterator[LoopStep]:
+    """The in-process trainer (benchmarks and tests; the Ray Train job runs train_step in its workers): the
+    job's optimizer and schedule over `model` (make_optimizer), cycling through `items` in order,
+    cfg.sequences_per_step per step, `to_sequence` applied to each as its batch is built; `step(optimizer,
+    scheduler, batch)` does one optimizer step (drafter_step: ours). Yields each step as it ends."""
+    optimizer, scheduler = make_optimizer(model, cfg)
+    per_step = cfg.sequences_per_step
+    for index in range(steps or cfg.max_steps):
+        batch = [items[(index * per_step + i) % len(items)] for i in range(per_step)]
+        sequences = [to_sequence(b) for b in batch] if to_sequence else batch
+        started = time.perf_counter()
+        stats = step(optimizer, scheduler, sequences)  # type: ignore[arg-type]
+        yield LoopStep(index + 1, stats, time.perf_counter() - started)
+
+
+def drafter_step(
+    drafter: Drafter, teacher: Teacher, drafter_cfg: DrafterConfig, cfg: TrainingConfig, generator: torch.Generator
+) -> Step:
+    """train_step on our drafter, as train_loop's step."""
+    return lambda optimizer, scheduler, batch: train_step(
+        drafter, teacher, optimizer, scheduler, batch, drafter_cfg, cfg, generator
+    )
+
+
+def train_drafter(
     drafter: Drafter,
     teacher: Teacher,
     sequences: list[TrainSequence],
@@ -263,10 +310,6 @@ def train_loop(
     generator: torch.Generator,
     steps: int | None = None,
 ) -> list[StepStats]:
-    """The minimal in-process trainer: cycles through `sequences`, cfg.sequences_per_step per step."""
-    optimizer, scheduler = make_optimizer(drafter, cfg)
-    history, per_step = [], cfg.sequences_per_step
-    for step in range(steps or cfg.max_steps):
-        batch = [sequences[(step * per_step + i) % len(sequences)] for i in range(per_step)]
-        history.append(train_step(drafter, teacher, optimizer, scheduler, batch, drafter_cfg, cfg, generator))
-    return history
+    """train_loop with drafter_step to the end: each step's stats."""
+    step = drafter_step(drafter, teacher, drafter_cfg, cfg, generator)
+    return [done.stats for done in train_loop(drafter, sequences, cfg, step, steps)]

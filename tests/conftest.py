@@ -1,7 +1,7 @@
 """Session-wide fixtures (the tiny random target is built once per test session) and the test tiers.
 
 Tiers (markers, registered in pyproject.toml): `ray` (a local Ray cluster: any test using `ray_local` gets it),
-`vllm` (starts a vLLM engine), `slow` (over a few seconds without either), `gpu` (needs CUDA; skipped without
+`vllm` (starts a vLLM engine: any test using one of ENGINE_FIXTURES gets it), `slow` (over a few seconds without either), `gpu` (needs CUDA; skipped without
 it). Every test with none of these is `unit`: `pytest -m unit` runs them all in well under a minute, and
 `make test` (CI) runs every tier. The unit tier is enforced, not trusted: a unit test that starts a subprocess
 or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs (`_unit_tier_guard`).
@@ -20,14 +20,27 @@ from peagle_ray.tiny_target import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY_TIERS = ("ray", "vllm", "slow", "gpu")
+# fixtures that start a vLLM engine (a Serve-hosted target or endpoint, a capture, a job that captures): a test
+# using one is in the vllm tier, so that `-m "not vllm"` starts no engine
+ENGINE_FIXTURES = {
+    "adapt_loop": "conftest: the adaptation loop",
+    "demo_run": "test_demo.py: the demo's run",
+    "session": "test_capture.py: the Serve-hosted target",
+    "endpoint": "test_serve.py: the endpoint",
+    "workdir": "test_train_job.py: prepared and captured data",
+    "captured": "test_multinode.py: the capture job",
+}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     import torch
 
     for item in items:
-        if "ray_local" in getattr(item, "fixturenames", ()):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "ray_local" in fixtures:
             item.add_marker(pytest.mark.ray)
+        if fixtures & ENGINE_FIXTURES.keys():
+            item.add_marker(pytest.mark.vllm)
         if not any(item.get_closest_marker(tier) for tier in HEAVY_TIERS):
             item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
@@ -111,3 +124,16 @@ def ray_local():
 
     serve.shutdown()  # replicas stop gracefully: their vLLM engine processes would outlive a killed actor
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def adapt_loop(tiny_target, ray_local, tmp_path_factory):
+    """The adaptation loop run once (tests/helpers/adapt_loop.py): what it did, for tests of each part."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.adapt_loop import TOKENS, WORKLOAD, run_loop
+    from tests.test_serve import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    expected = {p: hf_greedy(tiny_target, tokenizer(p)["input_ids"], TOKENS) for p in WORKLOAD}
+    return run_loop(tiny_target, tmp_path_factory.mktemp("adapt-loop"), expected)

@@ -1,11 +1,15 @@
-"""bench adapt's pure parts: workloads, the split by prompt, the goals. The loop it drives is tested end to end in
-test_adapt.py; its figures come from running it (README)."""
+"""bench adapt's pure parts (workloads, the split by prompt, the goals), and bench adapt-ablation on the session's
+adaptation loop (tests/helpers/adapt_loop.py). The loop bench adapt drives is tested part by part in
+test_adapt.py; its figures come from running it (docs/)."""
+
+from pathlib import Path
 
 import pytest
 
-from peagle_ray.bench.adapt import goals, split_prompts, workload_prompts
+from peagle_ray.bench.adapt import goals
 from peagle_ray.config import ConfigError
 from peagle_ray.data.public import EvalPrompt
+from peagle_ray.data.workload import split_prompts, workload_prompts
 
 
 def test_split_is_by_prompt_stable_and_disjoint():
@@ -82,3 +86,20 @@ def test_the_training_mix_keeps_a_share_of_traffic_and_replays_general_records()
     assert sorted(r["id"] for r in training_mix(traffic, general, 1.0, 0.0, 0)) == sorted(r["id"] for r in traffic)
     with pytest.raises(ConfigError, match="replay=0.5 needs 8 general training records; the general capture has 6"):
         training_mix(traffic, general, 1.0, 0.5, 0)
+
+
+def test_adapt_ablation_on_the_adaptations_own_inputs(adapt_loop):
+    """bench adapt-ablation on the session's adaptation (its prepared data and captured shards; the general
+    side: its replayed records)."""
+    from peagle_ray.bench import adapt_ablation
+    from peagle_ray.config import with_values
+
+    work = Path(adapt_loop.report.json).parent
+    variants = [["base"], ["decoder only", "drafter.frozen=[embed_tokens, fc]"], ["replay", "replay=0.2"]]
+    cfg = with_values(adapt_loop.cfg, {"capture.output_dir": str(work / "hidden")})
+    ablation = adapt_ablation.run(cfg, work, variants, [2, 4])
+    rows = {name: v["rows"] for name, v in ablation["variants"].items()}
+    assert [r["steps"] for r in rows["base"]] == [2, 4] and set(ablation["parent"]) == {"heldout_al", "general_al"}
+    assert rows["decoder only"][0]["trainable_parameters"] < rows["base"][0]["trainable_parameters"]
+    assert ablation["variants"]["replay"]["train_records"] > ablation["variants"]["base"]["train_records"]
+    assert all(r["heldout_al"] >= 1 and r["general_al"] >= 1 for v in rows.values() for r in v)

@@ -1,11 +1,15 @@
-"""The main job end to end with a tiny budget, on tiny targets of the families users bring (Llama-3.x: llama3
-rope, 128,256 rows, untied head; Qwen3: q/k norms, 151,936 rows, tied embeddings, 4 layers; the tiny Llama of
-the other tests runs every stage there): the built-in suite's prompts regenerated into data, captured from
-the Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and registered, a workload sent
-through the recording endpoint, the drafter adapted to it, judged (lossless through stock vLLM), promoted or
-not, and the live endpoint serving what the measurement says."""
+"""The main job end to end with a tiny budget, run once on a tiny target of a family users bring (Llama-3.x:
+llama3 rope, 128,256 rows, untied head) and checked part by part: the built-in suite's prompts regenerated
+into data, captured from the Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and
+registered, a workload sent through the recording endpoint, the drafter adapted to it, judged (lossless
+through stock vLLM), promoted or not, and the live endpoint serving what the measurement says. (Qwen3's and
+GPT-OSS's rope and shapes run through capture and vLLM serving in test_capture.py and test_export.py.)"""
 
+import contextlib
 import json
+import os
+import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -19,9 +23,17 @@ from peagle_ray.serve.app import free_port
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_demo_runs_the_whole_loop(family_target, family, tmp_path, capfd):
-    tiny_target = family_target(family)
+class DemoRun:
+    """The demo run once on the tiny Llama-3 target, what it printed and what the live endpoint answered."""
+
+    def __init__(self, target: Path, cfg, outcome, console: str, answers: list):
+        self.target, self.cfg, self.outcome, self.console, self.answers = target, cfg, outcome, console, answers
+
+
+@pytest.fixture(scope="module")
+def demo_run(family_target, tmp_path_factory, request):
+    tiny_target = family_target("llama3")
+    tmp_path = tmp_path_factory.mktemp("demo")
     cfg = build_config(
         {
             "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
@@ -43,7 +55,7 @@ def test_demo_runs_the_whole_loop(family_target, family, tmp_path, capfd):
             "demo": {"workload": "builtin-coding", "requests": 8, "max_tokens": 8},
         }
     )
-    answers = []
+    answers: list = []
 
     def ask(url):
         body = {"model": tiny_target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -55,40 +67,81 @@ def test_demo_runs_the_whole_loop(family_target, family, tmp_path, capfd):
         with urllib.request.urlopen(f"{url}/v1/speculative_stats", timeout=30) as resp:
             answers.append(json.loads(resp.read()))
 
-    outcome = run_demo(cfg, wait=False, on_ready=ask)
-    out, err = capfd.readouterr()  # the file descriptors: what a person at the console sees, from any process
-    (tmp_path / "console.txt").write_text(out + err)
-    report = outcome["adapt"]
-    assert report["samples"] == {"train": 4, "validation": 4}
-    for who in ("parent", "new"):
-        heldout = report["measured"][who]["heldout"]
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled(), _console() as console:  # pytest's own capture off: print()
+        outcome = run_demo(cfg, wait=False, on_ready=ask)  # writes to file descriptor 1 again
+    (tmp_path / "console.txt").write_text(console.text)
+    return DemoRun(tiny_target, cfg, outcome, console.text, answers)
+
+
+class _Captured:
+    text = ""
+
+
+@contextlib.contextmanager
+def _console():
+    """What a person at the console sees, from any process: file descriptors 1 and 2 into a file (capfd is
+    function-scoped; the demo runs once for the module), with pytest's capture suspended around it."""
+    captured = _Captured()
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")
+
+
+def test_the_adaptation_judges_both_drafters_losslessly_on_the_heldout_requests(demo_run):
+    report = demo_run.outcome.adapt
+    assert report.samples == {"train": 4, "validation": 4}
+    for judged in report.measured.values():
+        heldout = judged.heldout
         assert heldout["greedy_mismatches"] == 0 and heldout["timed_prompts"] == 4
         assert len(heldout["acceptance_per_position"]) == 2 and heldout["tokens_per_s"] > 0
-    assert f"| general (v{report['parent_version']}) |" in outcome["table"]
-    assert f"| adapted (v{report['version']}) |" in outcome["table"] and outcome["table"] in out
-    assert set(outcome["minutes"]) == {"target", "data", "general drafter", "workload", "adapt"}
-    assert "| Stage | Minutes |" in out and "| total |" in out
-    assert json.loads(Path(outcome["json"]).read_text())["adapt"]["version"] == report["version"]
+    saved = json.loads(demo_run.outcome.json.read_text())["adapt"]
+    assert saved["version"] == report.version and saved["measured"]["new"]["heldout"] == report.measured["new"].heldout
 
+
+def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_run):
+    outcome, out, report = demo_run.outcome, demo_run.console, demo_run.outcome.adapt
+    assert f"| general (v{report.parent_version}) |" in outcome.table
+    assert f"| adapted (v{report.version}) |" in outcome.table and outcome.table in out
+    assert set(outcome.minutes) == {"target", "data", "general drafter", "workload", "adapt"}
+    assert "| Stage | Minutes |" in out and "| total |" in out
+    assert "MLflow UI: http://127.0.0.1:" in out and "curl" in out and outcome.endpoint in out
+    assert "[demo] logs: " in out and "INFO" not in out, out[-3000:]  # INFO lines go to log files
+
+
+def test_the_endpoint_drafts_only_where_the_heldout_measurement_paid(demo_run):
+    outcome, answers = demo_run.outcome, demo_run.answers
     # the endpoint ends on the adapted drafter when promoted, else on the general one; either drafts only
     # where its held-out measurement was faster than the target alone
-    served = Path(report["export_dir"] if report["promote"] else outcome["served"])
+    served = Path(outcome.adapt.export_dir if outcome.adapt.promote else outcome.served)
     recommendation = json.loads((served / "recommendation.json").read_text())
     assert isinstance(answers[0], str)
     if recommendation["draft"]:
         assert answers[1]["algorithm"] == "peagle" and answers[1]["drafts"] > 0
     else:  # a random tiny drafter is usually slower: the endpoint serves the target alone and says why
         assert answers[1]["algorithm"] is None and answers[1]["drafts"] == 0
-        assert "the target alone is served" in out and recommendation["reason"] in out
-    recorded = [
-        json.loads(line) for f in (Path(cfg.training.storage_path) / "traffic").glob("*.jsonl") for line in f.open()
-    ]
-    assert len(recorded) >= 9  # the workload and the question asked of the live endpoint: recording stays on
+        assert "the target alone is served" in demo_run.console and recommendation["reason"] in demo_run.console
 
-    assert "MLflow UI: http://127.0.0.1:" in out and "curl" in out and outcome["endpoint"] in out
-    assert "[demo] logs: " in out and "INFO" not in out + err, (out + err)[-3000:]  # INFO lines go to log files
-    client = MlflowClient(f"sqlite:///{Path(cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
-    versions = client.search_model_versions(f"name = '{cfg.tracking.registered_model}'")
-    assert {str(v.version) for v in versions} == {report["parent_version"], report["version"]}
+
+def test_recording_stays_on_for_the_live_endpoint(demo_run):
+    storage = Path(demo_run.cfg.training.storage_path)
+    recorded = [json.loads(line) for f in (storage / "traffic").glob("*.jsonl") for line in f.open()]
+    assert len(recorded) >= 9  # the workload and the question asked of the live endpoint
+
+
+def test_mlflow_holds_both_versions_and_the_training_curve(demo_run):
+    storage, report = Path(demo_run.cfg.training.storage_path), demo_run.outcome.adapt
+    client = MlflowClient(f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}")
+    versions = client.search_model_versions(f"name = '{demo_run.cfg.tracking.registered_model}'")
+    assert {str(v.version) for v in versions} == {report.parent_version, report.version}
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
     assert "peagle" in runs and client.get_metric_history(runs["peagle"].info.run_id, "train/loss")

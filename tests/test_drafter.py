@@ -228,12 +228,12 @@ def test_pinned_loss_trajectory_of_four_steps(algorithm, expected):
     """Seeded tiny drafter, two packed sequences, partitioned (segment 10), float64: the losses of four steps.
     Any change to COD, masks, partitioning, the loss or the optimizer moves these numbers."""
     from peagle_ray.config import DrafterConfig, TrainingConfig
-    from peagle_ray.train.step import train_loop
+    from peagle_ray.train.step import train_drafter
 
     drafter, teacher = tiny_drafter(tiny_arch(algorithm))
     sequences = [random_sequence([9, 7], seed=1), random_sequence([12], seed=2)]
     tcfg = TrainingConfig(learning_rate=1e-2, warmup_steps=1, max_steps=4, sequences_per_step=1, segment_length=10)
-    history = train_loop(
+    history = train_drafter(
         drafter,
         teacher,
         sequences,
@@ -247,14 +247,14 @@ def test_pinned_loss_trajectory_of_four_steps(algorithm, expected):
 def test_frozen_prefixes_keep_their_values_while_the_rest_trains():
     from peagle_ray.config import ConfigError, DrafterConfig, TrainingConfig
     from peagle_ray.drafter.build import freeze
-    from peagle_ray.train.step import train_loop
+    from peagle_ray.train.step import train_drafter
 
     drafter, teacher = tiny_drafter(tiny_arch())
     freeze(drafter, ["embed_tokens", "fc"])
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     tcfg = TrainingConfig(learning_rate=1e-2, warmup_steps=0, max_steps=2, segment_length=10)
     sequences = [random_sequence([9, 7], seed=1)]
-    train_loop(drafter, teacher, sequences, DrafterConfig(num_depths=3), tcfg, torch.Generator().manual_seed(0))
+    train_drafter(drafter, teacher, sequences, DrafterConfig(num_depths=3), tcfg, torch.Generator().manual_seed(0))
     changed = {n for n, p in drafter.named_parameters() if not torch.equal(p, before[n])}
     assert not changed & {"embed_tokens.weight", "fc.weight"}
     assert {"mask_hidden", "layers.0.self_attn.q_proj.weight", "norm.weight"} <= changed

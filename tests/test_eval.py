@@ -8,6 +8,7 @@ import pytest
 from peagle_ray.bench.e2e import goal
 from peagle_ray.eval.metrics import (
     AlgorithmResult,
+    EngineRun,
     SweepResult,
     fastest_k,
     prompt_speedups,
@@ -20,7 +21,7 @@ from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
 from peagle_ray.export.speculators import Recommendation
 from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
 
-BASELINE = {
+BASELINE_JSON = {
     "acceptance": {
         "coding": {"tokens": [[1, 2, 3], [4, 5]], "counters": {}},
         "math": {"tokens": [[7, 8]], "counters": {}},
@@ -30,7 +31,7 @@ BASELINE = {
         "math": {"tokens": 50, "seconds": 5.0, "counters": {}},
     },
 }
-RUN = {
+RUN_JSON = {
     "acceptance": {
         "coding": {
             "tokens": [[1, 2, 3], [4, 5]],
@@ -46,6 +47,7 @@ RUN = {
         "math": {"tokens": 50, "seconds": 4.0, "counters": {"drafts": 40, "accepted_tokens": 10}},
     },
 }
+BASELINE, RUN = EngineRun(**BASELINE_JSON), EngineRun(**RUN_JSON)
 
 
 def test_summarize_per_category_and_overall():
@@ -115,11 +117,8 @@ def test_drafting_is_recommended_only_when_measurably_faster_than_the_target_alo
 def test_per_prompt_speedups_and_their_standard_error():
     assert prompt_speedups([[10, 1.0], [10, 2.0]], [[10, 2.0], [10, 2.0]]) == [2.0, 1.0]
     assert standard_error([2.0, 1.0]) == pytest.approx(0.5) and standard_error([1.3]) is None
-    base = {
-        **BASELINE,
-        "timing": {c: {**t, "per_prompt": [[t["tokens"], t["seconds"]]]} for c, t in BASELINE["timing"].items()},
-    }
-    run = {**RUN, "timing": {c: {**t, "per_prompt": [[t["tokens"], t["seconds"]]]} for c, t in RUN["timing"].items()}}
+    per_prompt = lambda run: {c: {**t, "per_prompt": [[t["tokens"], t["seconds"]]]} for c, t in run.timing.items()}  # noqa: E731
+    base, run = (EngineRun(r.acceptance, per_prompt(r)) for r in (BASELINE, RUN))
     rows = summarize(3, base, run)
     assert rows["coding"]["timed_prompts"] == 1 and rows["coding"]["speedup_se"] is None
     assert rows["overall"]["timed_prompts"] == 2 and rows["overall"]["speedup_se"] == pytest.approx(0.375, abs=1e-3)

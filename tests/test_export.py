@@ -20,10 +20,16 @@ from peagle_ray.engine import vllm_cpu_env
 from peagle_ray.export.speculators import PROVENANCE, export_drafter
 from peagle_ray.tiny_target import GPT_OSS_ROPE, TinyTargetSpec, build_tiny_target, family_spec
 from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.step import train_loop
+from peagle_ray.train.step import train_drafter
 from tests.conftest import REPO
 
 K, PROMPT, GENERATED = 3, 16, 40
+
+
+def aux_layers(target) -> list[int]:
+    from peagle_ray.target import read_target_info
+
+    return read_target_info(target).default_aux_layer_ids()
 
 
 def greedy_records(target, count: int) -> list[tuple]:
@@ -35,7 +41,7 @@ def greedy_records(target, count: int) -> list[tuple]:
         prompt = torch.randint(10, 500, (PROMPT,), generator=g)
         with torch.no_grad():
             seq = model.generate(prompt[None], max_new_tokens=GENERATED, min_new_tokens=GENERATED, do_sample=False)[0]
-        aux, last = hf_hidden_states(model, seq, [2, 3, 5])
+        aux, last = hf_hidden_states(model, seq, aux_layers(target))
         mask = torch.zeros(len(seq))
         mask[PROMPT:] = 1
         records.append((seq, mask, aux, last))
@@ -54,15 +60,17 @@ SCALED_ROPE_TARGETS = {
 
 
 @pytest.fixture(scope="module")
-def greedy_data(tiny_target, tmp_path_factory):
-    """data(name) -> (target, 32 greedy sequences to train on, 5 held out): "llama" is the tiny target, the
-    others SCALED_ROPE_TARGETS."""
+def greedy_data(tiny_target, family_target, tmp_path_factory):
+    """data(name) -> (target, 32 greedy sequences to train on, 5 held out): "llama" is the tiny target,
+    "qwen3" the session's tiny Qwen3, the others SCALED_ROPE_TARGETS."""
     made: dict[str, tuple] = {}
 
     def data(name: str) -> tuple:
         if name not in made:
             target = tiny_target
-            if name != "llama":
+            if name == "qwen3":
+                target = family_target(name)
+            elif name != "llama":
                 target = build_tiny_target(tmp_path_factory.mktemp(name), SCALED_ROPE_TARGETS[name])
             records = greedy_records(target, 37)
             made[name] = (target, records[:32], records[32:])
@@ -81,7 +89,7 @@ def trained_drafter(tiny_target, records, algorithm):
     vocab = json.loads((tiny_target / "config.json").read_text())["vocab_size"]
     counts = count_tokens([(s, m) for s, m, _, _ in records], vocab)
     drafter, teacher, _ = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
-    train_loop(
+    train_drafter(
         drafter,
         teacher,
         [TrainSequence.from_record(*r) for r in records],
@@ -130,8 +138,11 @@ def vllm_decode(target, drafter_dir, parallel, prompts):
 
 
 # gpt-oss-rope (yarn): vLLM builds the drafter's rotary embedding from the exported rope_parameters; a
-# difference from ours shows as acceptance counts other than our replay's (exporting plain rope failed it)
-@pytest.mark.parametrize("family, algorithm", [("llama", "peagle"), ("llama", "eagle3"), ("gpt-oss-rope", "peagle")])
+# difference from ours shows as acceptance counts other than our replay's (exporting plain rope failed it).
+# qwen3: q/k norms, tied embeddings, 151,936 rows, 4 layers (aux layers [1, 2, 3]).
+@pytest.mark.parametrize(
+    "family, algorithm", [("llama", "peagle"), ("llama", "eagle3"), ("gpt-oss-rope", "peagle"), ("qwen3", "peagle")]
+)
 @pytest.mark.vllm
 def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(greedy_data, tmp_path, family, algorithm):
     tiny_target, train, held_out = greedy_data(family)
@@ -141,7 +152,7 @@ def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(greedy
         replay_greedy(drafter, seq, aux, PROMPT, K, expected)
     assert expected.accepted > 0  # trained: something to compare (a random drafter accepts nothing)
 
-    out = export_drafter(drafter, tmp_path / algorithm, tiny_target, [2, 3, 5], K)
+    out = export_drafter(drafter, tmp_path / algorithm, tiny_target, aux_layers(tiny_target), K)
     result = vllm_decode(tiny_target, out, algorithm == "peagle", [s[:PROMPT].tolist() for s, *_ in held_out])
     assert result["tokens"] == [s[PROMPT:].tolist() for s, *_ in held_out]  # float32: exactly the target's greedy
     metrics = result["metrics"]
@@ -177,7 +188,7 @@ def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm
     )
     counts = count_tokens([(s, m) for s, m, _, _ in memorized], 516)
     drafter, teacher, _ = drafter_for_target(peaked_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
-    history = train_loop(
+    history = train_drafter(
         drafter,
         teacher,
         [TrainSequence.from_record(*r) for r in memorized],

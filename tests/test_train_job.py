@@ -105,6 +105,22 @@ def test_run_status_ends_finished_failed_or_killed(tmp_path):
         assert info.status == status and info.end_time is not None
 
 
+@pytest.mark.slow
+def test_a_crashed_benchmarks_results_run_ends_failed(tmp_path):
+    from peagle_ray.tracking import results_run
+
+    uri = f"sqlite:///{tmp_path / 'results.db'}"
+    cfg = build_config({"training": {"storage_path": str(tmp_path)}})
+    with pytest.raises(RuntimeError, match="boom"):
+        with results_run(uri, cfg, None, "bench-crash", tmp_path) as run_id:
+            assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
+            raise RuntimeError("boom")
+    assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+    with results_run(uri, cfg, None, "bench-ok", tmp_path) as run_id:
+        pass
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+
+
 def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_target):
     handler = signal.getsignal(signal.SIGINT)
     first = run_training(config(workdir, tiny_target, run_name="e2e", max_steps=4))

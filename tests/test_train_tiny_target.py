@@ -11,7 +11,7 @@ from peagle_ray.drafter.vocab import count_tokens
 from peagle_ray.target import read_target_info
 from peagle_ray.tiny_target import TinyTargetSpec, build_tiny_target
 from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.step import train_loop
+from peagle_ray.train.step import train_drafter
 
 CONVERSATIONS = [
     ("How do I read a file?", "Use open(path) and call read() on it; the with statement closes it for you."),
@@ -96,7 +96,7 @@ def test_tied_target_head_is_its_embedding(tmp_path):
 def test_a_few_steps_reduce_the_loss(tiny_target, records, algorithm):
     cfg, drafter, teacher, _ = make(tiny_target, records, algorithm=algorithm)
     sequences = [TrainSequence.from_record(*r) for r in records]
-    history = train_loop(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1))
+    history = train_drafter(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1))
     losses = [h.loss for h in history]
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
@@ -113,7 +113,9 @@ def test_bfloat16_autocast_trains_and_tracks_float32(tiny_target, records, algor
     for precision in ("float32", "bfloat16"):
         cfg, drafter, teacher, _ = make(tiny_target, records, algorithm=algorithm)
         cfg.training.precision = precision
-        history = train_loop(drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1))
+        history = train_drafter(
+            drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1)
+        )
         losses[precision] = [h.loss for h in history]
         assert all(p.dtype == torch.float32 for p in drafter.parameters())
     assert losses["bfloat16"][0] == pytest.approx(losses["float32"][0], rel=0.05)
@@ -124,7 +126,7 @@ def test_pinned_loss_trajectory(tiny_target, records):
     """Fixed seeds, fixed init, fixed data: the first steps' losses are pinned (catches silent changes)."""
     cfg, drafter, teacher, _ = make(tiny_target, records)
     sequences = [TrainSequence.from_record(*r) for r in records]
-    history = train_loop(
+    history = train_drafter(
         drafter, teacher, sequences, cfg.drafter, cfg.training, torch.Generator().manual_seed(1), steps=4
     )
     assert [round(h.loss, 4) for h in history] == pytest.approx(PINNED, abs=2e-4)

@@ -14,8 +14,8 @@ For each workload:
 
 Workloads: data/workload.py (each a real task family, not a benchmark's mix).
 
-Goals (issue 21; ratios within the run): held-out AL >= 2.0, >= 1.5x the target alone, >= 1.3x the
-un-adapted drafter, ahead of suffix decoding; general-suite AL at most 0.02 below the un-adapted drafter
+Goals (bench/goals.py ADAPT; ratios within the run): held-out AL, speedup over the target alone and over the
+un-adapted drafter, ahead of suffix decoding; the most general-suite AL lost against the un-adapted drafter
 (adapt's own judge); 0 greedy mismatches.
 """
 
@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
+from peagle_ray.bench.goals import ADAPT
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
 from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH, bench_dir, mlflow_dir
 from peagle_ray.options import Opt
@@ -34,8 +35,6 @@ from peagle_ray.options import Opt
 if TYPE_CHECKING:
     from peagle_ray.adapt import AdaptReport
     from peagle_ray.serve.client import Sent
-
-GOALS = {"acceptance_length": 2.0, "speedup": 1.5, "vs_unadapted": 1.3, "general_drop": 0.02}
 
 
 def run(
@@ -168,17 +167,17 @@ def goals(result: dict) -> dict:
     suffix = rows.get("suffix", {})
     drop = result["general"]["parent"]["acceptance_length"] - result["general"]["new"]["acceptance_length"]
     checks = {
-        "acceptance_length": (adapted["acceptance_length"], adapted["acceptance_length"] >= GOALS["acceptance_length"]),
-        "speedup_vs_target": (adapted["speedup"], (adapted["speedup"] or 0) >= GOALS["speedup"]),
+        "acceptance_length": (adapted["acceptance_length"], adapted["acceptance_length"] >= ADAPT["acceptance_length"]),
+        "speedup_vs_target": (adapted["speedup"], (adapted["speedup"] or 0) >= ADAPT["speedup"]),
         "speedup_vs_unadapted": (
             adapted["speedup_vs_unadapted"],
-            (adapted["speedup_vs_unadapted"] or 0) >= GOALS["vs_unadapted"],
+            (adapted["speedup_vs_unadapted"] or 0) >= ADAPT["vs_unadapted"],
         ),
         "ahead_of_suffix": (
             suffix.get("tokens_per_s"),
             adapted["tokens_per_s"] > suffix["tokens_per_s"] if "tokens_per_s" in suffix else None,
         ),
-        "general_al_drop": (round(drop, 4), drop <= GOALS["general_drop"]),
+        "general_al_drop": (round(drop, 4), drop <= ADAPT["general_drop"]),
         "greedy_mismatches": (adapted["greedy_mismatches"], adapted["greedy_mismatches"] == 0),
     }
     return {name: {"measured": value, "met": met} for name, (value, met) in checks.items()}

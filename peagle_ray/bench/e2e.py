@@ -5,10 +5,10 @@ outputs must match the target's exactly).
     {"target_tokens_per_s": .., "eagle3": {"k", "tokens_per_s", "acceptance_length", "speedup"},
      "peagle": {.., "speedup_vs_eagle3"}, "greedy_mismatches": 0, "goals": {...}}
 
-Goals (issue 6): P-EAGLE >= 1.8x the target alone and >= 1.3x EAGLE-3, each at its best K. Each goal also
+Goals (bench/goals.py E2E): P-EAGLE's speedup over the target alone and over EAGLE-3, each at its best K. Each goal also
 says what it would take: a decode step costs `step_cost_vs_target` target-alone steps (measured), so
 P-EAGLE's speedup is its AL / step cost, and the AL it needs at that step cost is goal x step cost (vs
-EAGLE-3: 1.3 x step cost x EAGLE-3's speedup). An AL above K + 1 cannot be reached at that K.
+EAGLE-3: goal x step cost x EAGLE-3's speedup). An AL above K + 1 cannot be reached at that K.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
+from peagle_ray.bench.goals import E2E
 from peagle_ray.config import PeagleConfig
 from peagle_ray.options import Opt
 
@@ -53,11 +54,11 @@ def run(
     goals = {}
     if "peagle" in out:
         ours = out["peagle"]
-        goals["peagle_vs_target"] = goal(ours["speedup"], 1.8, ours, 1.0)
+        goals["peagle_vs_target"] = goal(ours["speedup"], E2E["peagle_vs_target"], ours, 1.0)
         if "eagle3" in out and out["eagle3"]["tokens_per_s"]:
             ratio = round(ours["tokens_per_s"] / out["eagle3"]["tokens_per_s"], 3)
             ours["speedup_vs_eagle3"] = ratio
-            goals["peagle_vs_eagle3"] = goal(ratio, 1.3, ours, out["eagle3"]["speedup"])
+            goals["peagle_vs_eagle3"] = goal(ratio, E2E["peagle_vs_eagle3"], ours, out["eagle3"]["speedup"])
     out["goals"] = goals
     return out
 

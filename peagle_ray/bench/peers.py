@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 
+from peagle_ray.bench.goals import PEERS
 from peagle_ray.bench.learning import (
     Progress,
     initial_drafter,
@@ -241,11 +242,11 @@ def goals(result: dict) -> dict:
     ours, ref = training.get("peagle", {}), training.get("reference", {})
     if "val_acceptance_length" in ref and "val_acceptance_length" in ours:
         ratio = ours["val_acceptance_length"] / ref["val_acceptance_length"]
-        out["validation_al_vs_reference"] = (round(ratio, 3), ratio >= 1.15)
+        out["validation_al_vs_reference"] = (round(ratio, 3), ratio >= PEERS["al_vs_reference"])
     for suite, rows in result["suites"].items():
         if "acceptance_length" in rows.get("reference", {}) and "acceptance_length" in rows.get("peagle", {}):
             ratio = rows["peagle"]["acceptance_length"] / rows["reference"]["acceptance_length"]
-            out[f"{suite}_al_vs_reference"] = (round(ratio, 3), ratio >= 1.15)
+            out[f"{suite}_al_vs_reference"] = (round(ratio, 3), ratio >= PEERS["al_vs_reference"])
         best = result["ngram_best"].get(suite)
         if best and "speedup" in rows.get("peagle", {}):
             out[f"{suite}_speedup_vs_{best}"] = (

@@ -27,7 +27,7 @@ ENGINE_FIXTURES = {
     "demo_run": "test_demo.py: the demo's run",
     "session": "test_capture.py: the Serve-hosted target",
     "endpoint": "test_serve.py: the endpoint",
-    "workdir": "test_train_job.py: prepared and captured data",
+    "captured_data": "conftest: prepared and captured tiny data",
     "captured": "test_multinode.py: the capture job",
 }
 
@@ -137,3 +137,16 @@ def adapt_loop(tiny_target, ray_local, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     expected = {p: hf_greedy(tiny_target, tokenizer(p)["input_ids"], TOKENS) for p in WORKLOAD}
     return run_loop(tiny_target, tmp_path_factory.mktemp("adapt-loop"), expected)
+
+
+@pytest.fixture(scope="session")
+def captured_data(tiny_target, ray_local, tmp_path_factory):
+    """tests/helpers/train_data.py's prompts prepared and captured (offline shards) once, through the
+    Serve-hosted tiny target: the directory the config of train_data.config(dir, tiny_target) reads."""
+    from peagle_ray.capture.run import prepare_and_capture
+    from tests.helpers.train_data import PROMPTS, config
+
+    tmp = tmp_path_factory.mktemp("train")
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    prepare_and_capture(config(tmp, tiny_target), prepare=True, capture=True)
+    return tmp

@@ -12,7 +12,6 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from peagle_ray.capture.pipeline import read_manifest
-from peagle_ray.capture.run import prepare_and_capture
 from peagle_ray.config import ConfigError, TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
 from peagle_ray.tracking import local_mlflow_server, metric_progress, run_status
@@ -20,55 +19,12 @@ from peagle_ray.train.checkpoint import export_checkpoint
 from peagle_ray.train.job import check_inputs, run_training
 from peagle_ray.train.worker import validation_subset
 from tests.helpers.browser import render_until
-
-PROMPTS = [
-    "Write a haiku about rain.",
-    "What is a socket?",
-    "Sort a list in Python.",
-    "Name three colors.",
-    "Explain recursion briefly.",
-    "Translate 'good morning' into French.",
-    "What is 12 times 7?",
-    "Describe a cat in one sentence.",
-    "Why is the sky blue?",
-    "List two prime numbers.",
-]
-K = 3
-
-
-def config(tmp, tiny_target, **training):
-    return build_config(
-        {
-            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
-            "data": {
-                "sources": [str(tmp / "prompts.txt")],
-                "max_new_tokens": 24,
-                "output_dir": str(tmp / "data"),
-                "validation_fraction": 0.3,
-            },
-            "capture": {"mode": "offline", "output_dir": str(tmp / "hidden"), "batch_size": 8},
-            "drafter": {"num_depths": K, "draft_vocab_size": 300},
-            "training": {
-                "num_workers": 2,
-                "max_steps": 4,
-                "validate_every": 2,
-                "sequences_per_step": 1,
-                "segment_length": 64,
-                "storage_path": str(tmp / "train"),
-                "epochs": 50,
-                **training,
-            },
-            "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
-        }
-    )
+from tests.helpers.train_data import K, config
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, tiny_target, ray_local):
-    tmp = tmp_path_factory.mktemp("train")
-    (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    prepare_and_capture(config(tmp, tiny_target), prepare=True, capture=True)
-    return tmp
+def workdir(captured_data):
+    return captured_data
 
 
 def history(summary, name):
@@ -319,78 +275,6 @@ def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
         assert bar.n == 100 and "val AL 1.250" in str(bar)
         client.log_metric(run_id, "val/acceptance_length", 1.3, step=199)
     assert bar.n == 200  # the last reading is taken on the way out
-
-
-def test_ablation_and_learning_curve_train_in_process_and_log_finished_runs(workdir, tiny_target):
-    from peagle_ray.bench import learning
-    from peagle_ray.config import with_values
-
-    cfg = config(workdir, tiny_target)
-    variants = {"base": [], "frozen": ["drafter.freeze_lm_head=true"], "norm": ["drafter.normalize_features=true"]}
-    result = learning.ablation(cfg, variants, steps=3, progress=lambda _line: None)
-    base, frozen = result["variants"]["base"], result["variants"]["frozen"]
-    assert result["variants"]["norm"]["train_loss"] != base["train_loss"]  # the same start, other steps
-    assert base["trainable_parameters"] - frozen["trainable_parameters"] == 300 * 96  # the DV x H head
-    assert base["steps"] == 3 and base["train_tokens"] > 0 and base["val_al_gain_vs_baseline"] == 0
-    assert all(
-        1 <= r["val_acceptance_length"] <= K + 1 and len(r["val_acceptance_per_position"]) == K
-        for r in result["variants"].values()
-    )
-
-    # bench features on an exported drafter: its features as captured, zeroed, shuffled; count tables; layers
-    from peagle_ray.bench import features
-    from peagle_ray.export.speculators import export_drafter
-
-    drafter, _ = learning.initial_drafter(cfg)
-    export = export_drafter(drafter, workdir / "features-drafter", tiny_target, check_inputs(cfg).aux_layer_ids, K)
-    diagnosis = features.run(cfg, {"peagle": export}, validation_records=2, progress=lambda _line: None)
-    assert (
-        set(diagnosis["features"]) == {"captured", "zeroed", "shuffled"}
-        and 1 <= diagnosis["records"]["validation"] <= 2
-    )
-    for row in diagnosis["features"].values():
-        assert len(row["acc_by_depth"]) == K and all(0 <= a <= 1 for a in row["acc_by_depth"])
-        assert 1 <= row["acceptance_length"] <= K + 1
-    assert len(diagnosis["counts"]["acc_by_depth"]) == K and 0 <= diagnosis["counts"]["acc_by_depth"][0] <= 1
-    assert [row["layer"] for row in diagnosis["layers"]] == list(check_inputs(cfg).aux_layer_ids)
-    assert all(row["max_abs"] > 0 for row in diagnosis["layers"])
-
-    curve_cfg = with_values(
-        cfg,
-        {
-            "eval.suite": "mt-bench",
-            "eval.prompts_per_category": 1,
-            "eval.max_new_tokens": 8,
-            "target.max_model_len": 1024,
-        },
-    )
-    # bench peers: ours and the reference trainer on the same shards, then the same stock-vLLM measurement
-    from peagle_ray.bench import peers
-
-    side = peers.run(curve_cfg, steps=2, algorithms=["peagle"], suites=["mt-bench"], prompts=2, timed=1, ngram_k=[2])
-    assert side["training"]["peagle"]["train_tokens"] == side["training"]["reference"]["train_tokens"]  # same data
-    rows = side["suites"]["mt-bench"]
-    assert {"target", "peagle", "reference", "ngram-k2", "suffix"} <= set(rows)
-    for name in ("peagle", "reference", "ngram-k2"):
-        assert rows[name]["greedy_mismatches"] == 0 and 1 <= rows[name]["acceptance_length"] <= K + 1
-    assert side["ngram_best"]["mt-bench"] == "ngram-k2" and "mt-bench_al_vs_reference" in side["goals"]
-    assert peers.log_to_mlflow(curve_cfg, side)["bench-peers"]
-
-    curve = learning.learning_curve(curve_cfg, [2, 1], ["peagle"], workdir / "curve", progress=lambda _line: None)
-    rows = curve["curves"]["peagle"]
-    assert [r["steps"] for r in rows] == [1, 2] and rows[0]["train_tokens"] < rows[1]["train_tokens"]
-    assert all(
-        1 <= r["suite_acceptance_length"] <= K + 1 and len(r["suite_acceptance_per_position"]) == K for r in rows
-    )
-    assert (workdir / "curve" / "learning_curve.png").stat().st_size > 0
-
-    runs = learning.log_to_mlflow(cfg, curve, workdir / "curve")
-    client = MlflowClient(cfg.tracking.tracking_uri)
-    run = client.get_run(runs["peagle"])
-    assert run.info.status == "FINISHED" and run.data.tags["peagle.run_name"] == "curve-peagle"
-    steps = [m.step for m in client.get_metric_history(runs["peagle"], "curve/suite_acceptance_length")]
-    assert steps == [r["train_tokens"] for r in rows]
-    assert "curve/learning_curve.png" in [a.path for a in client.list_artifacts(runs["peagle"], "curve")]
 
 
 def test_data_wait_counts_the_waits_after_the_first_batch(monkeypatch):

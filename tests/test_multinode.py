@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from peagle_ray.config import build_config, dump_config
 from peagle_ray.tracking import RUN_NAME_TAG, metric_history
 from tests.helpers.cluster import BIN, LoopbackCluster
-from tests.test_train_job import PROMPTS as TRAIN_JOB_PROMPTS
+from tests.helpers.train_data import PROMPTS as TRAIN_JOB_PROMPTS
 
 pytestmark = pytest.mark.ray
 

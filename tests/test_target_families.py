@@ -167,3 +167,35 @@ def test_a_target_no_drafter_can_be_trained_for_is_refused_before_any_work(tmp_p
         drafter_target(cfg)
     with pytest.raises(ConfigError, match="rope_type = 'dynamic'"):
         arch_from_target(target, DrafterConfig(), None, 0, 3)
+
+
+@pytest.mark.vllm
+def test_a_qwen3_target_captures_what_transformers_computes(family_target, tmp_path, ray_local):
+    """Qwen3 (q/k norms, tied embeddings, 151,936 rows, 4 layers: default aux layers [1, 2, 3]) through the
+    Serve-hosted engine: the hidden states equal transformers'. (Repeated aux layers killed this engine.) In
+    a file of its own kind: a second target session beside test_capture.py's would replace its Serve app."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from peagle_ray.capture.reference import hf_hidden_states
+    from peagle_ray.capture.run import target_session
+    from peagle_ray.capture.stage import validate_capture
+    from peagle_ray.config import build_config
+
+    target = family_target("qwen3")
+    cfg = build_config(
+        {
+            "target": {"path": str(target), "max_model_len": 128, "kv_cache_gib": 1},
+            "capture": {"output_dir": str(tmp_path / "hidden")},
+        }
+    )
+    ids = list(range(20, 60))
+    with target_session(cfg) as s:
+        (captured,) = s.handle.capture_batch.remote([ids]).result()["items"]
+        layers, hidden = s.info.default_aux_layer_ids(), s.info.hidden_size
+        aux, last = validate_capture(np.array(ids), captured, s.num_layers_captured, hidden, "float32")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    hf_aux, hf_last = hf_hidden_states(model, torch.tensor(ids), layers)
+    assert layers == [1, 2, 3]
+    torch.testing.assert_close(torch.from_numpy(aux), hf_aux, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(last), hf_last, atol=1e-4, rtol=1e-4)

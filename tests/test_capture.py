@@ -14,15 +14,9 @@ from peagle_ray.config import build_config, with_values
 from peagle_ray.data import run as data_stage
 from peagle_ray.data.prepare import BadRows, PreparedData, TokenizedSample
 from peagle_ray.data.run import prompt_writer
+from tests.helpers.train_data import PROMPTS as TRAIN_PROMPTS
 
-PROMPTS = [
-    "Write a haiku about rain.",
-    "What is a socket?",
-    "Sort a list in Python.",
-    "Name three colors.",
-    "Explain recursion briefly.",
-    "Translate 'good morning' into French.",
-]
+PROMPTS = TRAIN_PROMPTS[:6]  # the shared tiny prompts (tests/helpers/train_data.py)
 
 
 @pytest.fixture(scope="module")

@@ -218,7 +218,17 @@ def heldout_recommendation(row: Row) -> Recommendation:
 
 
 def run_adapt(cfg: PeagleConfig) -> AdaptReport:
-    """One adaptation (module docstring); its report is also written to adapt.json."""
+    """`peagle-ray adapt`: fine-tune the served drafter on the endpoint's recorded traffic; promote and swap it
+    in if better.
+
+    Reads the traffic the endpoint recorded (serving.record_dir, or adapt.traffic_dir), starts from the
+    registered version holding adapt.alias, fine-tunes adapt.max_steps steps (capture through the
+    Serve-hosted target), measures the served and the new drafter with stock vLLM on the held-out traffic and
+    on adapt.general_suite, registers the new version with its parent and measurements, and promotes it
+    (moves the alias; swaps it into the endpoint running on this Ray cluster) when held-out AL gains
+    adapt.min_gain and the suite loses at most adapt.max_regression. Refuses with no recording, too little
+    traffic or no registered version. The report is also written to adapt.json; peagle_ray/adapt.py's
+    docstring shows each step."""
     from peagle_ray.capture.run import prepare_and_capture
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.data.sources import check_sources

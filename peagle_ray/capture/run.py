@@ -90,7 +90,11 @@ def run_capture_offline(cfg: PeagleConfig, session: TargetSession) -> CaptureSum
 
 
 def prepare_and_capture(cfg: PeagleConfig, prepare: bool, capture: bool) -> DataArtifacts:
-    """The data half of the pipeline in one target session: prepare (regenerating if configured), capture."""
+    """`peagle-ray data capture`: the target's hidden states for the prepared data, captured through a Ray
+    Serve-hosted vLLM engine and Ray Data.
+
+    Writes safetensors shards + manifest to capture.output_dir (reruns skip done samples). With `prepare` (--prepare), `data prepare` runs first in the same target session.
+    Online capture (capture.mode) streams straight into `peagle-ray train` instead."""
     if prepare:
         check_sources(cfg.data.sources)  # before the target starts
     if prepare and not (capture or data_stage.needs_target(cfg)):

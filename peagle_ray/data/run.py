@@ -21,9 +21,14 @@ def needs_target(cfg: PeagleConfig) -> bool:
 
 
 def run(cfg: PeagleConfig, target: Any = None) -> PreparedData:
-    """The data stage: conversations (data.sources) -> data.output_dir/{train,validation}.jsonl, token counts,
-    summary.json. `target` is the Serve handle of the running target (capture.run.target_session), needed
-    only to regenerate answers (data.regenerate) or write Magpie prompts."""
+    """`peagle-ray data prepare`: conversations (data.sources) in, training-ready token sequences out.
+
+    Regenerates responses with the target (data.regenerate), applies the chat template and assistant loss
+    masks; writes data.output_dir/{train,validation}.jsonl, token_counts.safetensors and summary.json (bad
+    rows counted by reason and skipped).
+
+    `target` is the Serve handle of the running target (capture.run.target_session), needed only to
+    regenerate answers or write Magpie prompts."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 

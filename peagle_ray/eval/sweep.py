@@ -37,6 +37,17 @@ def default_drafters(cfg: PeagleConfig) -> dict[str, Path]:
     return {a: d for a, d in found.items() if (d / "config.json").is_file()}
 
 
+def choose_drafters(cfg: PeagleConfig, given: dict[str, Path | None], purpose: str) -> dict[str, Path]:
+    """The drafters given ({algorithm: directory or None}, e.g. --peagle / --eagle3) over the config's own
+    training exports; refuses an empty set, naming what to `purpose` ("evaluate", "benchmark")."""
+    drafters = default_drafters(cfg) | {a: d for a, d in given.items() if d is not None}
+    if not drafters:
+        raise FileNotFoundError(
+            f"no drafter to {purpose}: train one (`peagle-ray train`) or pass --peagle/--eagle3 DIR"
+        )
+    return drafters
+
+
 def eval_prompts(cfg: PeagleConfig, target_dir: Path) -> dict[str, list[list[int]]]:
     """{category: prompt token ids}, eval.prompts_per_category each, from eval.suite: the prepared validation
     split (the prompt part of each conversation), or MT-Bench / HumanEval rendered with the target's chat
@@ -165,8 +176,11 @@ class Evaluation:
 
 
 def evaluate(cfg: PeagleConfig, drafters: dict[str, Path], k_values: list[int] | None = None) -> Evaluation:
-    """`peagle-ray eval` and the demo's evaluation: the sweep, its JSON (<storage>/<eval_name>/eval.json, written
-    before MLflow so a tracking failure loses no measurement), the table, and the MLflow logging."""
+    """`peagle-ray eval`: measure acceptance per position, tokens/s and speedup against the target alone.
+
+    One vLLM engine per configuration (target alone, then each algorithm at each K) on eval.suite's prompts;
+    writes the recommended K into each drafter's config, <storage>/<eval_name>/eval.json (before MLflow, so a
+    tracking failure loses no measurement) and eval/* metrics and plots to MLflow. The demo's evaluation too."""
     from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 

@@ -287,9 +287,13 @@ def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | N
 
 
 def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = None, detach: bool = False) -> None:
-    """`peagle-ray serve`: the target with the drafter exported in drafter_dir (None: the target alone) on Ray
-    Serve until Ctrl-C / SIGTERM, which stop the endpoint and raise KeyboardInterrupt. A bad target or drafter fails before Ray starts. With detach, return
-    once deployed (the endpoint keeps running on the cluster)."""
+    """`peagle-ray serve`: the target, drafting with an exported drafter, as an OpenAI-compatible REST endpoint
+    on Ray Serve.
+
+    `drafter_dir` None serves the target alone. Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port (loopback by
+    default); bearer-token auth when serving.api_token is set. A bad target or drafter fails before Ray
+    starts. Ctrl-C / SIGTERM stop the endpoint (KeyboardInterrupt); with detach, it returns once deployed and
+    the endpoint keeps running on the cluster."""
     import time
 
     from peagle_ray.cluster import ensure_ray

@@ -55,7 +55,7 @@ def load_drafter_from_checkpoint(directory: Path):
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, num_speculative_tokens: int | None = None) -> Path:
-    """`peagle-ray export`: a training checkpoint directory -> the speculators format."""
+    """`peagle-ray export`: export a training checkpoint directory to the speculators format vLLM loads."""
     from peagle_ray.export.speculators import export_drafter
 
     checkpoint_dir = Path(checkpoint_dir)

@@ -186,7 +186,13 @@ class TrainResult:
 
 
 def run_training(cfg: PeagleConfig) -> TrainResult:
-    """Train, export the best checkpoint, log everything to MLflow."""
+    """`peagle-ray train`: train a P-EAGLE or EAGLE-3 drafter with Ray Train on captured hidden states, export
+    the best checkpoint, log everything to MLflow.
+
+    Uses prepared data (and offline shards when capture.mode is offline; online mode captures while
+    training). Starts a local MLflow server when tracking.tracking_uri is unset; re-running the same
+    training.run_name resumes. `--dry-run` plans the run instead (train/plan.py: memory per worker, nothing
+    loaded)."""
     from peagle_ray.cluster import ensure_ray
     from peagle_ray.tracking import find_or_create_run, log_training_data, metric_progress, run_status, tracking_uri
 

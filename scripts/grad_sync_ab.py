@@ -1,7 +1,7 @@
-"""Gradient sync of the training step, A/B: the Ray Train job's hand-written flat all-reduce after the step's
-backward passes (train/worker.py all_reduce_mean) against torch DDP, what ray.train.torch.prepare_model wraps
-the model in, syncing only on the step's last segment backward (no_sync before it, as gradient accumulation
-over segments needs). Two CPU processes (gloo, one thread each), a SmolLM2-shaped P-EAGLE drafter with the
+"""Gradient sync of the training step, A/B: a hand-written flat all-reduce after the step's backward passes
+(what the Ray Train job did before it moved to the library) against torch DDP, what ray.train.torch.prepare_model
+wraps the job's SegmentLoss in, syncing only on the step's last segment backward (no_sync before it, as
+gradient accumulation over segments needs; the job's own path: sequence_backward with loss_module and sync). Two CPU processes (gloo, one thread each), a SmolLM2-shaped P-EAGLE drafter with the
 job's default frozen embedding, the same sequences, COD samples and step (sequence_backward) on both sides.
 Appends one JSON line per run to OUT: the median step seconds of each (the first step of each run warms up;
 each variant runs twice, interleaved) and the largest gradient difference between them.
@@ -14,7 +14,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -25,33 +24,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from peagle_ray.bench.shapes import bench_arch, random_drafter, random_sequence  # noqa: E402
 from peagle_ray.config import DrafterConfig  # noqa: E402
 from peagle_ray.train.elements import cod_sample  # noqa: E402
-from peagle_ray.train.partition import balanced_boundaries, partition  # noqa: E402
-from peagle_ray.train.step import sequence_backward, trained_elements  # noqa: E402
-from peagle_ray.train.worker import all_reduce_mean  # noqa: E402
+from peagle_ray.train.step import SegmentLoss, sequence_backward  # noqa: E402
 
 
-class Elementwise(torch.nn.Module):
-    """The drafter with forward_elements as its forward, so DDP's forward (and its reducer) sees each segment."""
-
-    def __init__(self, drafter):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, *args):
-        return self.drafter.forward_elements(*args)
-
-
-def forward_calls(batch, elements, segment: int, k: int) -> int:
-    """How many segment forwards (and backwards) sequence_backward makes over the batch: segments with trained
-    elements."""
-    total = 0
-    for seq, elems in zip(batch, elements, strict=True):
-        trained = trained_elements(elems, seq)
-        segments = partition(elems, seq.doc_ids, balanced_boundaries(elems, seq.num_positions, segment))
-        index_of = torch.full((seq.num_positions * k,), -1, dtype=torch.long)
-        index_of[elems.anchor * k + elems.depth] = torch.arange(len(elems))
-        total += sum(bool(trained[index_of[s.own.anchor * k + s.own.depth]].any()) for s in segments)
-    return total
+def all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
+    """The mean of each tensor over the workers, in place: one flat all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def allreduce_step(drafter, teacher, batch, elements, segment, params, world) -> None:
@@ -63,24 +47,10 @@ def allreduce_step(drafter, teacher, batch, elements, segment, params, world) ->
     all_reduce_mean([p.grad for p in params], world)
 
 
-def ddp_step(ddp, drafter, teacher, batch, elements, segment, k) -> None:
-    total, calls = forward_calls(batch, elements, segment, k), [0]
-
-    def via_ddp(*args):
-        calls[0] += 1
-        ddp.require_backward_grad_sync = calls[0] == total  # = no_sync() for every backward but the last
-        return ddp(*args)
-
-    proxy = types.SimpleNamespace(
-        arch=drafter.arch,
-        embed_tokens=drafter.embed_tokens,
-        norm=drafter.norm,
-        lm_head=drafter.lm_head,
-        forward_elements=via_ddp,
-    )
-    for seq, elems in zip(batch, elements, strict=True):
-        sequence_backward(proxy, teacher, seq, elems, segment, None, scale=1 / len(batch))
-    assert calls[0] == total
+def ddp_step(ddp, drafter, teacher, batch, elements, segment) -> None:
+    for n, (seq, elems) in enumerate(zip(batch, elements, strict=True)):
+        last = n == len(batch) - 1
+        sequence_backward(drafter, teacher, seq, elems, segment, None, scale=1 / len(batch), loss_module=ddp, sync=last)
 
 
 def run(rank, world, n, k, segment, steps, sequences, out):
@@ -97,7 +67,9 @@ def run(rank, world, n, k, segment, steps, sequences, out):
         params = [p for p in drafter.parameters() if p.requires_grad]
         g = torch.Generator().manual_seed(100 + rank)
         batch = [random_sequence(arch, n, g) for _ in range(sequences)]
-        ddp = torch.nn.parallel.DistributedDataParallel(Elementwise(drafter)) if variant == "ddp" else None
+        wrapped = SegmentLoss(drafter)
+        options = {"find_unused_parameters": True, "forward_sync_buffers": False}  # the job's (train/worker.py)
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped, **options) if variant == "ddp" else None
         for step in range(steps):
             eg = torch.Generator().manual_seed(7 + step)
             elements = [
@@ -108,7 +80,7 @@ def run(rank, world, n, k, segment, steps, sequences, out):
             if ddp is None:
                 allreduce_step(drafter, teacher, batch, elements, segment, params, world)
             else:
-                ddp_step(ddp, drafter, teacher, batch, elements, segment, k)
+                ddp_step(ddp, drafter, teacher, batch, elements, segment)
             if step:  # the first step warms up
                 seconds.setdefault(variant, []).append(time.perf_counter() - started)
         grads[variant] = torch.cat([p.grad.reshape(-1) for p in params]).clone()

@@ -8,6 +8,7 @@ the sum of segment losses and gradients is exactly the unpartitioned step's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -90,6 +91,29 @@ def mask_function(elements: Elements, doc_ids: torch.Tensor, use_flex: bool):
     return lambda rows, cols: attention_mask(elements.select(rows), elements.select(cols), doc_ids)
 
 
+class SegmentLoss(torch.nn.Module):
+    """One segment's drafter forward and loss as one module forward: what the Ray Train job wraps in torch
+    DDP (ray.train.torch.prepare_model), so that DDP sees every parameter the loss uses and averages the
+    gradients across workers in its backward hooks."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, teacher: Teacher, tokens, hidden, elements: Elements, mask_fn, context: int, rows, teacher_hidden,
+                positions, weights, loss_chunk: int):  # fmt: skip
+        out = self.drafter.forward_elements(tokens, hidden, elements, mask_fn, context)
+        norm, head = self.drafter.norm, self.drafter.lm_head.weight
+        return kl_loss(norm(out[rows]), head, teacher_hidden, positions, teacher, weights.to(out.dtype), loss_chunk)
+
+
+def gradient_sync(loss_module: torch.nn.Module, on: bool):
+    """Around one backward: DDP's no_sync() unless `on` (gradients accumulate locally and are averaged across
+    workers in the step's last backward); nothing for a module that is not DDP."""
+    no_sync = getattr(loss_module, "no_sync", None)
+    return contextlib.nullcontext() if on or no_sync is None else no_sync()
+
+
 def sequence_backward(
     drafter: Drafter,
     teacher: Teacher,
@@ -103,9 +127,16 @@ def sequence_backward(
     backward: bool = True,
     bf16: bool = False,
     use_flex: bool | None = None,
+    loss_module: torch.nn.Module | None = None,
+    sync: bool = True,
 ) -> StepStats:
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
     With backward=False it only measures (validation): no graph is built.
+
+    `loss_module` runs each segment (default: SegmentLoss(drafter)); the job passes it wrapped in DDP, and
+    then only the sequence's last backward averages the gradients across workers, and only when `sync` (the
+    step's last sequence). A worker whose last sequence trains nothing still joins that average, with a
+    zero-weight forward of its first segment (DDP's backward is a collective: every worker must call it).
 
     `boundaries` overrides the balanced split (tests use it for uneven splits).
     Runs on the drafter's device; `bf16` turns on bfloat16 autocast (the loss's softmax stays float32).
@@ -132,29 +163,37 @@ def sequence_backward(
         elements=len(elements),
         positions=seq.num_positions,
     )
-    for segment in segments:
-        own_index = index_of[key(segment.own)]
-        rows = trained[own_index]  # only trained elements reach the loss; the rest have zero gradient
-        if not rows.any():
-            continue
+    loss_module = SegmentLoss(drafter) if loss_module is None else loss_module
+    work = [(s, i, trained[i]) for s in segments for i in [index_of[key(s.own)]] if trained[i].any()]
+    joins_only = backward and sync and not work and hasattr(loss_module, "no_sync")
+    if joins_only:
+        first = index_of[key(segments[0].own)]
+        work, weights = [(segments[0], first, torch.ones_like(trained[first]))], torch.zeros_like(weights)
+    for n, (segment, own_index, rows) in enumerate(work):  # only trained elements reach the loss
         on_device = segment.elements.to(device)
         mask_fn = mask_function(on_device, seq.doc_ids.to(device), use_flex)
         own = segment.own.select(rows)
-        with torch.set_grad_enabled(backward), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
-            out = drafter.forward_elements(tokens, hidden, on_device, mask_fn, len(segment.context))
-            loss, kl, correct = kl_loss(
-                drafter.norm(out[rows.to(device)]),
-                drafter.lm_head.weight,
-                teacher_hidden,
-                own.position.to(device),
-                teacher,
-                weights[own_index[rows]].to(device, out.dtype),
-                loss_chunk,
-            )
-        if backward:
-            loss.backward()
-        stats.loss += float(loss.detach())
-        _accumulate(stats, own.depth, kl.cpu(), correct.cpu(), k)
+        synced = gradient_sync(loss_module, sync and n == len(work) - 1)  # DDP decides at the forward
+        with synced, torch.set_grad_enabled(backward):
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                loss, kl, correct = loss_module(
+                    teacher,
+                    tokens,
+                    hidden,
+                    on_device,
+                    mask_fn,
+                    len(segment.context),
+                    rows.to(device),
+                    teacher_hidden,
+                    own.position.to(device),
+                    weights[own_index[rows]].to(device),
+                    loss_chunk,
+                )
+            if backward:
+                loss.backward()
+        if not joins_only:
+            stats.loss += float(loss.detach())
+            _accumulate(stats, own.depth, kl.cpu(), correct.cpu(), k)
     return stats
 
 
@@ -189,9 +228,12 @@ def sampled_sequence_backward(
     generator: torch.Generator,
     scale: float,
     backward: bool = True,
+    loss_module: torch.nn.Module | None = None,
+    sync: bool = True,
 ) -> StepStats:
     """A fresh COD sampling of `seq`, then sequence_backward with the training config's segment length, depth
-    weights and precision (the training step, and validation with backward=False)."""
+    weights and precision (the training step, and validation with backward=False); `loss_module` and `sync`
+    as there."""
     return sequence_backward(
         drafter,
         teacher,
@@ -202,6 +244,8 @@ def sampled_sequence_backward(
         scale=scale,
         backward=backward,
         bf16=cfg.precision == "bfloat16",
+        loss_module=loss_module,
+        sync=sync,
     )
 
 
@@ -233,25 +277,26 @@ def train_step(
     drafter_cfg: DrafterConfig,
     cfg: TrainingConfig,
     generator: torch.Generator,
-    reduce_grads: Callable[[list[torch.Tensor]], None] | None = None,
+    loss_module: torch.nn.Module | None = None,
 ) -> StepStats:
     """One optimizer step over `sequences` (gradients accumulated across them), with clipping.
 
-    `reduce_grads` (distributed training) averages the gradients across workers in place before clipping;
-    every trainable parameter then has a gradient tensor, zeros where this worker produced none.
+    Distributed training passes `loss_module`, SegmentLoss(drafter) wrapped in DDP: the step's last backward
+    averages the gradients across workers, before clipping.
     """
     optimizer.zero_grad(set_to_none=True)
     stats = StepStats()
-    for seq in sequences:
+    for n, seq in enumerate(sequences):
         if cfg.feature_noise:
             seq = with_feature_noise(seq, cfg.feature_noise, generator)
-        stats.add(sampled_sequence_backward(drafter, teacher, seq, drafter_cfg, cfg, generator, 1.0 / len(sequences)))
+        last = n == len(sequences) - 1
+        scale = 1.0 / len(sequences)
+        stats.add(
+            sampled_sequence_backward(
+                drafter, teacher, seq, drafter_cfg, cfg, generator, scale, True, loss_module, last
+            )
+        )
     params = [p for p in drafter.parameters() if p.requires_grad]
-    if reduce_grads is not None:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        reduce_grads([p.grad for p in params])
     stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
     optimizer.step()
     scheduler.step()

@@ -1,8 +1,8 @@
 """The Ray Train worker loop: records -> steps -> validation -> metrics and checkpoints (rank 0).
 
 Every rank builds the drafter (same seed), resumes from Ray Train's latest checkpoint if there is one, and
-loops: sequences_per_step records -> `train_step` (COD, masks, partitioning) -> gradients all-reduced over
-the workers -> clip -> AdamW step. Every validate_every steps rank 0 measures the validation split
+loops: sequences_per_step records -> `train_step` (COD, masks, partitioning; gradients averaged over the
+workers by torch DDP, from ray.train.torch.prepare_model, in the step's last backward) -> clip -> AdamW step. Every validate_every steps rank 0 measures the validation split
 (per-depth accuracy, offline greedy acceptance per position, AL), flushes its held metrics to MLflow
 (`tracking.MetricLog`), then every rank reports and rank 0 attaches the checkpoint (train/checkpoint.py).
 Metrics are flushed before the checkpoint that covers them, and on resume steps already in MLflow are not
@@ -33,7 +33,7 @@ from peagle_ray.drafter.replay import Acceptance, replay_greedy
 from peagle_ray.tracking import MetricLog
 from peagle_ray.train.checkpoint import load_checkpoint, save_checkpoint
 from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.step import StepStats, make_optimizer, sampled_sequence_backward, train_step
+from peagle_ray.train.step import SegmentLoss, StepStats, make_optimizer, sampled_sequence_backward, train_step
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
@@ -140,23 +140,6 @@ class EpochCache:
             self._file.close()
         if self._dir is not None:
             self._dir.cleanup()
-
-
-def all_reduce_mean(tensors: list[torch.Tensor], world: int) -> None:
-    """The mean of each tensor over the workers, in place: one flat all-reduce of the step's gradients after
-    all its segment backward passes. Measured against torch DDP (what ray.train.torch.prepare_model wraps the
-    model in) syncing on the step's last backward only, same gradients to the bit: DDP was not slower (step
-    time 0.93x at N 1024, K 4, 2 CPU workers; scripts/grad_sync_ab.py, docs/grad_sync_smollm2.json), so the
-    library is to replace this (issue 36, open): train_step calls forward_elements, norm and lm_head outside a
-    module forward, which DDP needs routed through one."""
-    if world > 1:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        torch.distributed.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def all_reduce_stats(stats: StepStats, world: int) -> StepStats:
@@ -294,6 +277,7 @@ class Rank:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     generator: torch.Generator  # COD sampling, different per rank
     state: dict  # step, best AL, and what a standalone export needs (saved in each checkpoint)
+    loss_module: torch.nn.Module  # SegmentLoss(drafter), in DDP across the workers (train_step)
 
 
 def build_rank(plan: WorkerPlan) -> Rank:
@@ -332,7 +316,13 @@ def build_rank(plan: WorkerPlan) -> Rank:
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state = load_checkpoint(Path(directory), drafter, optimizer, scheduler, generator)
-    return Rank(cfg, rank, world, device, drafter, teacher, optimizer, scheduler, generator, state)
+    # Ray Train's DDP (one worker: the module itself). find_unused_parameters: a worker's step without a depth
+    # >= 1 element leaves P-EAGLE's mask parameter out; no buffer changes in training (synced once, at start).
+    ddp = {"find_unused_parameters": True, "forward_sync_buffers": False}
+    loss_module = ray.train.torch.prepare_model(
+        SegmentLoss(drafter), move_to_device=False, parallel_strategy_kwargs=ddp
+    )
+    return Rank(cfg, rank, world, device, drafter, teacher, optimizer, scheduler, generator, state, loss_module)
 
 
 def rank_records(plan: WorkerPlan, r: Rank) -> tuple[Iterator[Record], list[Record]]:
@@ -421,7 +411,7 @@ def train_worker(config: dict) -> None:
             r.cfg.drafter,
             tcfg,
             r.generator,
-            reduce_grads=lambda grads: all_reduce_mean(grads, r.world),
+            r.loss_module,
         )
         step_s = time.perf_counter() - started
         wait.trained += step_s

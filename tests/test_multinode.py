@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from peagle_ray.config import build_config, dump_config
 from peagle_ray.tracking import RUN_NAME_TAG, metric_history
 from tests.helpers.cluster import BIN, LoopbackCluster
-from tests.helpers.train_data import PROMPTS as TRAIN_JOB_PROMPTS
+from tests.helpers.train_data import PROMPTS as TRAIN_JOB_PROMPTS, raw_config
 
 pytestmark = pytest.mark.ray
 
@@ -28,38 +28,19 @@ TRAIN_CMD = ("python", "jobs/train.py", "--config")  # deploy/kuberay/rayjob-tra
 
 
 def config(tmp: Path, tiny_target: Path, run_name: str, **training) -> dict:
-    return {
-        "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
-        "data": {
-            "sources": [str(tmp / "prompts.txt")],
-            "max_new_tokens": 24,
-            "output_dir": str(tmp / "data"),
-            "validation_fraction": 0.25,
-        },
-        "capture": {
-            "mode": "offline",
-            "output_dir": str(tmp / "hidden"),
-            "batch_size": 4,
-            "num_actors": 2,
-            "num_replicas": 2,
-            "max_replicas_per_node": 1,
-        },
-        "drafter": {"num_depths": 3, "draft_vocab_size": 300},
-        "training": {
-            "num_workers": 2,
-            "placement_strategy": "SPREAD",
-            "max_steps": 6,
-            "validate_every": 3,
-            "validation_records": 2,
-            "sequences_per_step": 1,
-            "segment_length": 64,
-            "storage_path": str(tmp / "train"),
-            "epochs": 50,
-            "run_name": run_name,
-            **training,
-        },
-        "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "registered_model": None},
+    """tests/helpers/train_data.py's run, spread: capture replicas one per node, workers SPREAD."""
+    training = {
+        "placement_strategy": "SPREAD",
+        "max_steps": 6,
+        "validate_every": 3,
+        "validation_records": 2,
+        **training,
     }
+    raw = raw_config(tmp, tiny_target, run_name=run_name, **training)
+    raw["data"]["validation_fraction"] = 0.25
+    raw["capture"].update(batch_size=4, num_actors=2, num_replicas=2, max_replicas_per_node=1)
+    raw["tracking"]["registered_model"] = None
+    return raw
 
 
 def write_config(tmp: Path, name: str, raw: dict) -> Path:

@@ -18,28 +18,32 @@ PROMPTS = [
 K = 3
 
 
+def raw_config(tmp, tiny_target, **training) -> dict:
+    """The tiny training run's config as a dict (test_multinode.py changes a few fields), prompts in
+    tmp/prompts.txt, everything it writes under tmp."""
+    return {
+        "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+        "data": {
+            "sources": [str(tmp / "prompts.txt")],
+            "max_new_tokens": 24,
+            "output_dir": str(tmp / "data"),
+            "validation_fraction": 0.3,
+        },
+        "capture": {"mode": "offline", "output_dir": str(tmp / "hidden"), "batch_size": 8},
+        "drafter": {"num_depths": K, "draft_vocab_size": 300},
+        "training": {
+            "num_workers": 2,
+            "max_steps": 4,
+            "validate_every": 2,
+            "sequences_per_step": 1,
+            "segment_length": 64,
+            "storage_path": str(tmp / "train"),
+            "epochs": 50,
+            **training,
+        },
+        "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+    }
+
+
 def config(tmp, tiny_target, **training):
-    return build_config(
-        {
-            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
-            "data": {
-                "sources": [str(tmp / "prompts.txt")],
-                "max_new_tokens": 24,
-                "output_dir": str(tmp / "data"),
-                "validation_fraction": 0.3,
-            },
-            "capture": {"mode": "offline", "output_dir": str(tmp / "hidden"), "batch_size": 8},
-            "drafter": {"num_depths": K, "draft_vocab_size": 300},
-            "training": {
-                "num_workers": 2,
-                "max_steps": 4,
-                "validate_every": 2,
-                "sequences_per_step": 1,
-                "segment_length": 64,
-                "storage_path": str(tmp / "train"),
-                "epochs": 50,
-                **training,
-            },
-            "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
-        }
-    )
+    return build_config(raw_config(tmp, tiny_target, **training))

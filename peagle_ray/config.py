@@ -461,6 +461,12 @@ class EvalConfig(_Section):
     timing_prompts: int = Field(default=4, gt=0)
     """Prompts decoded at batch 1 for tokens/s (fewer than the acceptance set: timing is slow)."""
 
+    engines_at_once: int = Field(default=4, ge=2)
+    """vLLM engines kept alive side by side while decoders are timed: the target alone and up to N - 1
+    decoders take the timed prompts in turn, prompt by prompt, so that drift between engine runs cannot
+    decide a verdict. More decoders are timed in groups, each beside its own target-alone engine. Each holds
+    target.kv_cache_gib of memory on CPU, an equal share of vLLM's GPU memory on a GPU."""
+
     max_new_tokens: int = Field(default=128, gt=0)
     """Tokens generated per evaluation prompt."""
 

@@ -11,7 +11,7 @@ VENV=${VENV:-.venv}
 EXTRA=${PEAGLE_RAY_EXTRA:-cpu}
 PYTHON=${PYTHON:-python3.11}
 STAMP="$VENV/.peagle-ray-setup"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$EXTRA
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_suffix_decoding.sh | sha256sum | cut -d' ' -f1)-$EXTRA
 
 # Headless Chromium (Debian's package) for the tests that look at the MLflow UI as a user does.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
@@ -57,6 +57,11 @@ fi
   speculators==0.9.0 hs-connectors==0.9.0 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 "$VENV/bin/python" -c "import speculators.models.peagle.core" \
   || { echo "setup: the reference trainer (speculators 0.9.0) failed to install or import" >&2; exit 1; }
+
+# vLLM's suffix decoding (method: suffix, and the hybrid with a trained drafter) needs arctic-inference's
+# suffix tree, built from source into the venv (about a minute, once).
+VENV="$VENV" bash scripts/build_suffix_decoding.sh \
+  || { echo "setup: building suffix decoding failed (scripts/build_suffix_decoding.sh)" >&2; exit 1; }
 
 "$VENV/bin/python" - <<'PY'
 import ray, torch, transformers, vllm, mlflow

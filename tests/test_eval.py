@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from peagle_ray.bench.e2e import goal
+from peagle_ray.config import PeagleConfig
 from peagle_ray.eval.metrics import (
     AlgorithmResult,
     EngineRun,
@@ -298,3 +299,45 @@ def test_the_sweep_runs_the_target_and_a_drafter_through_vllm_and_writes_its_ver
     saved = json.loads(json.dumps(results.to_json()))
     assert saved["peagle"]["best"] == saved["peagle"]["by_k"]["2"]
     assert saved["recommended_k"] == {"peagle": 2 if verdict["draft"] else 0}
+
+
+def test_suffix_decoding_is_built_by_setup_and_a_missing_build_names_the_command(monkeypatch):
+    from peagle_ray.eval import compare
+
+    assert compare.suffix_available()  # `make setup` built it into this virtualenv
+    compare.check_suffix(compare.suffix(4).spec)
+    monkeypatch.setattr(compare, "suffix_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"`make setup` builds it into the virtualenv"):
+        compare.compare(PeagleConfig(), Path("unused"), [compare.ngram(2), compare.suffix(4)], {}, 1)
+    compare.check_suffix(compare.ngram(2).spec)  # only suffix decoding needs it
+
+
+@pytest.mark.vllm
+def test_compare_times_engines_side_by_side_in_groups_and_keeps_a_failing_peer_as_a_note(tiny_target, tmp_path):
+    """Two engines at once (the target alone and one decoder): each decoder is timed beside its own
+    target-alone engine, prompt by prompt; n-gram and suffix decoding are lossless; a peer whose engine
+    cannot start is a note, and the comparison goes on."""
+    from peagle_ray.config import build_config
+    from peagle_ray.eval import compare
+
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "eval": {"max_new_tokens": 12, "engines_at_once": 2},
+            "serving": {"log_dir": str(tmp_path / "logs")},
+        }
+    )
+    prompts = {"a": [[1, 5, 9, 5, 9, 5], [2, 7, 7, 7], [3, 4, 3, 4, 3]], "b": [[8, 8, 8, 8]]}
+    broken = compare.Candidate("broken", {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
+                                          "prompt_lookup_min": 3})  # fmt: skip
+    judged = compare.compare(cfg, tiny_target, [compare.ngram(2), broken, compare.suffix(3)], prompts, 2)
+    assert list(judged.runs) == ["ngram", "suffix"] and "failed" in judged.notes["broken"]
+    assert judged.baselines["ngram"] is not judged.baselines["suffix"]  # each timed beside its own target engine
+    for name in ("ngram", "suffix"):
+        rows = judged.rows(name)
+        assert rows["overall"]["greedy_mismatches"] == 0 and rows["overall"]["tokens_per_s"] > 0
+        assert [len(judged.runs[name].timing[c]["per_prompt"]) for c in "ab"] == [2, 1]
+        assert len(judged.runs[name].acceptance["a"]["tokens"]) == 3  # the untimed prompt too
+        base = judged.baselines[name]
+        assert base.acceptance == judged.baseline.acceptance and len(base.timing["a"]["per_prompt"]) == 2
+    assert set(judged.overall()) == {"target", "ngram", "suffix", "broken"}

@@ -9,8 +9,8 @@ For each workload:
      of offline held-out AL against adaptation minutes comes from those validations' MLflow timestamps);
   4. measure the held-out split with stock vLLM at the served K, greedy, batch 1 timing: the target alone,
      the un-adapted and the adapted drafter, vLLM's n-gram drafter (prompt lookup, no training) and suffix
-     decoding (`method: suffix`, training-free; its response cache is fed the train split first; needs
-     arctic-inference's suffix tree importable: scripts/build_suffix_decoding.sh, else reported as skipped).
+     decoding (`method: suffix`, training-free; its response cache is fed the train split first; its suffix
+     tree is built into the virtualenv by `make setup`).
 
 Workloads: data/workload.py (each a real task family, not a benchmark's mix).
 

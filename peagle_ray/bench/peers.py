@@ -11,7 +11,7 @@ On the offline shards (capture.output_dir), from the same initial state of the d
              both sides read), so it is exported and served exactly as ours.
 Then, per eval suite (MT-Bench, HumanEval, the validation split), stock vLLM at batch 1 and greedy: the target
 alone, both trainers' drafters at K = drafter.num_depths, vLLM's n-gram drafter (prompt lookup) at K = 2..4 and
-suffix decoding (when arctic-inference's suffix tree is importable; its cache starts empty): acceptance per
+suffix decoding (its suffix tree built by `make setup`; its cache starts empty): acceptance per
 position, AL, tokens/s, speedup against the target alone and mismatches against it. One engine per decoder
 runs every suite's prompts, so all rows share one run.
 

@@ -2,21 +2,25 @@
 adapt's judge, the demo (through adapt) and every benchmark call `compare`.
 
     compare(cfg, target, [drafter("new", export, 4), ngram(4), suffix(4)], prompts, timing) -> Comparison
-      the target alone, then each candidate: one vLLM engine each (eval/vllm_run.py, its own process), over
-      the same prompts; the first `timing` prompts of each category timed at batch 1
+      one vLLM engine per decoder (eval/vllm_run.py, its own process) over the same prompts; the target alone
+      and up to eval.engines_at_once - 1 candidates alive side by side, the first `timing` prompts of each
+      category timed at batch 1 by each engine in turn, prompt by prompt (the order rotating), so that drift
+      between engine runs (+-20% on the 2-core box) cannot decide a verdict; then each engine's untimed
+      prompts. More candidates: groups, each timed beside its own target-alone engine
     Comparison.rows(name) -> {category: Row, "overall": Row} against the target alone (eval.metrics.summarize)
-    Comparison.overall() -> {"target": Row, name: Row or {"skipped" | "failed": why}}
+    Comparison.overall() -> {"target": Row, name: Row or {"failed": why}}
 
-A candidate that cannot run here is kept as a note instead of a row: suffix decoding without arctic-inference
-("skipped"), a peer whose engine fails ("failed"); a candidate marked `required` (the drafters being judged)
-raises instead. Candidate specs are built here only (`drafter`, `ngram`, `suffix`), so every caller serves
-n-gram and suffix decoding alike.
+A peer whose engine fails is kept as a note instead of a row ({"failed": why}); a candidate marked `required`
+(the drafters being judged) raises instead, and so does suffix decoding where its suffix tree was not built
+(`make setup` builds it into the virtualenv). Candidate specs are built here only (`drafter`, `ngram`,
+`suffix`), so every caller serves n-gram and suffix decoding alike.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,8 +33,8 @@ from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.eval.metrics import EngineRun, Row, summarize
 
 SUFFIX_MISSING = (
-    "vLLM's suffix decoding needs arctic-inference's suffix tree: scripts/build_suffix_decoding.sh builds it; put "
-    "its directory on PYTHONPATH"
+    "vLLM's suffix decoding (method: suffix) needs arctic-inference's suffix tree, and {python} cannot import it: "
+    "`make setup` builds it into the virtualenv (scripts/build_suffix_decoding.sh)"
 )
 Prompts = dict[str, list[list[int]]]  # category -> prompt token ids
 
@@ -71,22 +75,33 @@ def suffix(k: int, warmup: list[list[int]] | None = None) -> Candidate:
 
 
 def suffix_available() -> bool:
-    return importlib.util.find_spec("arctic_inference") is not None
+    return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
+
+
+def check_suffix(spec: dict | None) -> None:
+    """A clear error, naming the command that builds it, where a speculative config asks for suffix decoding
+    and its suffix tree is missing (vLLM's own error would come from inside the engine)."""
+    if spec is not None and spec.get("method") == "suffix" and not suffix_available():
+        raise RuntimeError(SUFFIX_MISSING.format(python=sys.executable))
 
 
 @dataclass
 class Comparison:
     """The target alone and each candidate over the same prompts: their engine runs, and a note for each
-    candidate that did not run ({"skipped": why} or {"failed": why})."""
+    candidate that did not run ({"failed": why}). A candidate's speedup is against the target-alone engine
+    timed beside it (`baselines`; the first group's is `baseline`, whose outputs are every candidate's
+    reference for mismatches)."""
 
     baseline: EngineRun
     runs: dict[str, EngineRun] = field(default_factory=dict)
     ks: dict[str, int] = field(default_factory=dict)
     notes: dict[str, dict[str, str]] = field(default_factory=dict)
+    baselines: dict[str, EngineRun] = field(default_factory=dict)
 
     def rows(self, name: str, keep: Callable[[str], bool] = lambda category: True) -> dict[str, Row]:
         """A candidate's rows (per category and "overall") over the categories `keep` accepts."""
-        return summarize(self.ks[name], self.baseline.only(keep), self.runs[name].only(keep))
+        base = self.baselines.get(name, self.baseline)
+        return summarize(self.ks[name], base.only(keep), self.runs[name].only(keep))
 
     def overall(self, keep: Callable[[str], bool] = lambda category: True) -> dict[str, dict]:
         """{"target": its row, candidate: its overall row or its note}, in the order they were judged."""
@@ -105,23 +120,164 @@ def compare(
     timing: int | dict[str, int],
     progress: Callable[[str], None] | None = None,
 ) -> Comparison:
-    """The target alone, then each candidate, over `prompts` (module docstring)."""
-    out = Comparison(run_engine(cfg, target_dir, None, prompts, timing))
+    """The target alone and each candidate over `prompts` (module docstring): every candidate is checked
+    before the first engine starts; then groups of eval.engines_at_once engines (the target alone and up to
+    N - 1 candidates) are started side by side and timed in turn, prompt by prompt (`judge_group`)."""
     for candidate in candidates:
-        if candidate.spec["method"] == "suffix" and not suffix_available():
-            out.notes[candidate.name] = {"skipped": SUFFIX_MISSING}
-            continue
-        if progress is not None:
-            progress(f"{candidate.name} at K = {candidate.k}")
-        try:
-            run = run_engine(cfg, target_dir, candidate.spec, prompts, timing, candidate.warmup)
-        except RuntimeError as err:  # a peer that fails to run is reported; the figures measured so far stay
-            if candidate.required:
-                raise
-            out.notes[candidate.name] = {"failed": str(err)}
-            continue
-        out.runs[candidate.name], out.ks[candidate.name] = run, candidate.k
+        check_suffix(candidate.spec)
+    size = cfg.eval.engines_at_once - 1
+    counts = timing_counts(prompts, timing)
+    out: Comparison | None = None
+    for start in range(0, max(len(candidates), 1), size):
+        group = candidates[start : start + size]
+        runs, notes = judge_group(cfg, target_dir, group, prompts, counts, out is None, progress)
+        target = runs.pop(TARGET)
+        if out is None:
+            out = Comparison(target)
+        baseline = EngineRun(out.baseline.acceptance, target.timing, target.engine_start_s)
+        for candidate in group:
+            if candidate.name in runs:
+                out.runs[candidate.name], out.ks[candidate.name] = runs[candidate.name], candidate.k
+                out.baselines[candidate.name] = baseline
+        out.notes.update(notes)
+    assert out is not None
     return out
+
+
+TARGET = "target"
+
+
+def timing_counts(prompts: Prompts, timing: int | dict[str, int]) -> dict[str, int]:
+    """{category: how many of its first prompts are timed}: one count for all, or one per category."""
+    return {c: min(timing if isinstance(timing, int) else timing.get(c, 0), len(p)) for c, p in prompts.items()}
+
+
+def judge_group(
+    cfg: PeagleConfig,
+    target_dir: Path,
+    group: list[Candidate],
+    prompts: Prompts,
+    counts: dict[str, int],
+    target_rest: bool,
+    progress: Callable[[str], None] | None,
+) -> tuple[dict[str, EngineRun], dict[str, dict[str, str]]]:
+    """The target alone and `group` alive side by side: each timed prompt decoded by every engine in turn,
+    the order rotating from prompt to prompt, then each engine's untimed prompts (the target's only when
+    `target_rest`: the first group's outputs are the reference). A candidate whose engine fails is a note,
+    unless it is required."""
+    say = progress or (lambda _line: None)
+    decoders = [Candidate(TARGET, {}, required=True), *group]
+    gpu_share = len(decoders) if _on_gpu() else None
+    engines: dict[str, DrivenEngine] = {}
+    notes: dict[str, dict[str, str]] = {}
+
+    def failed(name: str, err: RuntimeError) -> None:
+        engines.pop(name).close()
+        if next(d for d in decoders if d.name == name).required:
+            raise err
+        notes[name] = {"failed": str(err)}
+
+    try:
+        for d in decoders:  # started together; each waits for its own engine
+            engines[d.name] = DrivenEngine(cfg, target_dir, d.spec or None, prompts, counts, d.warmup, gpu_share)
+        for name in list(engines):
+            try:
+                engines[name].ready()
+            except RuntimeError as err:
+                failed(name, err)
+        say(f"timing {', '.join(engines)} in turn on {sum(counts.values())} prompts")
+        turn = 0
+        for category, n in counts.items():
+            for index in range(n):
+                names = list(engines)
+                for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                    try:
+                        engines[name].ask({"time": [category, index]})
+                    except RuntimeError as err:
+                        failed(name, err)
+                turn += 1
+        runs = {}
+        for name in list(engines):
+            say(f"{name}: the untimed prompts" if name != TARGET or target_rest else f"{name}: done")
+            try:
+                runs[name] = EngineRun(**engines[name].ask({"finish": name != TARGET or target_rest}))
+            except RuntimeError as err:
+                failed(name, err)
+        return runs, notes
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class DrivenEngine:
+    """A vllm_run process in its driven mode (eval/vllm_run.py): started at once, then asked command by
+    command; its log goes to serving.log_dir/eval-engine.log."""
+
+    def __init__(self, cfg, target_dir, spec_config, prompts, counts, warmup, gpu_share: int | None):
+        self.what = f"evaluation engine ({spec_config or 'target only'})"
+        spec = engine_spec(cfg, target_dir, spec_config, prompts, counts, warmup)
+        if gpu_share:  # engines side by side share the GPU's memory
+            spec["engine_args"]["gpu_memory_utilization"] = round(0.85 / gpu_share, 3)
+        self.tmp = tempfile.TemporaryDirectory(prefix="peagle-eval-")
+        spec_file = Path(self.tmp.name) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        self.log = Path(cfg.serving.log_dir) / "eval-engine.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        read, write = os.pipe()
+        with self.log.open("a") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), "--driven", str(write)],
+                stdin=subprocess.PIPE,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=target_engine_env(cfg.target, on_gpu=_on_gpu()),
+                pass_fds=(write,),
+                text=True,
+            )
+        os.close(write)
+        self.replies = os.fdopen(read)
+
+    def _answer(self):
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError(f"{self.what} failed with exit code {self.proc.wait()}; log: {self.log}")
+        return json.loads(line)
+
+    def ready(self) -> None:
+        self._answer()
+
+    def ask(self, command: dict):
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the process ended: _answer reads its exit
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.replies.close()
+        self.tmp.cleanup()
+
+
+def engine_spec(cfg, target_dir, spec_config, prompts: Prompts, counts: dict[str, int], warmup) -> dict:
+    """vllm_run's SPEC for one decoder."""
+    return {
+        "engine_args": engine_args(cfg, target_dir, _on_gpu(), spec_config),
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "acceptance": prompts,
+        "timing": counts,
+        "warmup": warmup or [],
+    }
 
 
 def run_engine(
@@ -132,20 +288,10 @@ def run_engine(
     timing_prompts: int | dict[str, int],
     warmup: list[list[int]] | None = None,
 ) -> EngineRun:
-    """One engine (eval/vllm_run.py) over `prompts`; the first `timing_prompts` of each category (one count for
-    all, or {category: count}) are timed at batch 1; `warmup` prompts are generated first, unmeasured."""
-    import torch
-
-    spec = {
-        "engine_args": engine_args(cfg, target_dir, torch.cuda.is_available(), spec_config),
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "acceptance": prompts,
-        "timing": {
-            c: min(timing_prompts if isinstance(timing_prompts, int) else timing_prompts[c], len(p))
-            for c, p in prompts.items()
-        },
-        "warmup": warmup or [],
-    }
+    """One engine alone (eval/vllm_run.py) over `prompts`; the first `timing_prompts` of each category (one
+    count for all, or {category: count}) are timed at batch 1; `warmup` prompts are generated first,
+    unmeasured. Comparisons time engines side by side instead (`compare`)."""
+    spec = engine_spec(cfg, target_dir, spec_config, prompts, timing_counts(prompts, timing_prompts), warmup)
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
@@ -156,7 +302,7 @@ def run_engine(
                 [sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env=target_engine_env(cfg.target, on_gpu=torch.cuda.is_available()),
+                env=target_engine_env(cfg.target, on_gpu=_on_gpu()),
             )
         if proc.returncode != 0:
             raise RuntimeError(

@@ -4,8 +4,9 @@ greedy mismatches against the target alone; per algorithm the fastest K, written
 drafter's config.json, and the verdict (`recommend_k`: draft at it, or not at all when it is not measurably
 faster than the target alone) in the drafter's recommendation.json, which serving follows.
 
-Each configuration is one vLLM engine in its own process (eval/compare.py, `vllm_run`): the first
-eval.timing_prompts of a category are timed at batch 1, the rest run batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
+Each configuration is one vLLM engine in its own process (eval/compare.py, `vllm_run`), several alive side by
+side: the first eval.timing_prompts of a category are timed at batch 1 by each engine in turn, the rest run
+batched; acceptance counts all of them. Prompts come from eval.suite: the prepared validation
 split (the prompt part of each conversation), MT-Bench or HumanEval; eval.prompts_per_category per category.
 
 Per category and overall (eval/metrics.py): k, acceptance_per_position, acceptance_length, tokens_per_s,

@@ -1,7 +1,8 @@
-"""One vLLM engine configuration of an evaluation, run in its own process (a fresh process per configuration keeps
-timings independent; on CPU vLLM's engine core and model run inside it, engine.py):
+"""One decoder's vLLM engine in an evaluation, in its own process (on CPU vLLM's engine core and model run
+inside it, engine.py). Two ways to run it:
 
-    python -m peagle_ray.eval.vllm_run SPEC.json OUT.json
+    python -m peagle_ray.eval.vllm_run SPEC.json OUT.json      # alone: time, then the rest, then OUT
+    python -m peagle_ray.eval.vllm_run SPEC.json --driven FD   # driven by eval/compare.py, prompt by prompt
 
 SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_tokens",
        "acceptance": {category: [prompt ids, ...]}, "timing": {category: n (the first n acceptance prompts)},
@@ -10,69 +11,128 @@ OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
        "timing": {category: {"tokens": n, "seconds": s, "per_prompt": [[tokens, seconds], ...], "counters": {...}}},
        "engine_start_s": s}
 
-Each prompt is generated exactly once. The timed prompts of a category run first, one at a time (batch 1, the
-latency a user sees), each after the prefix cache is emptied; the rest of the category then runs as one
-batch. A category's acceptance counts and tokens are both parts together (vLLM's counters are read before
-and after each part). Once only, and timing first: a decoder that learns from what it generated (suffix
-decoding's response cache) would otherwise be timed on prompts whose answers it had already seen. The
-prefix cache is emptied because vLLM reuses less of a cached prompt when an EAGLE drafter runs (it drops
-back a KV block to rebuild the drafter's state), so cached timings favoured the target alone.
+Driven, the process reads one JSON command per line on stdin and answers each with one JSON line on file
+descriptor FD (vLLM's own output stays on stdout and stderr, in the log): after {"ready": true},
+{"time": [category, i]} times acceptance prompt i of a category, {"finish": rest} returns OUT (running the
+untimed prompts first when `rest`) and exits. compare.py keeps several such engines alive side by side and
+times them in turn, prompt by prompt, so that no verdict comes from drift between engine runs.
+
+Each prompt is generated exactly once. A timed prompt runs alone (batch 1, the latency a user sees) after the
+prefix cache is emptied; every timed prompt runs before any untimed one, which then run as one batch per
+category. Timing first: a decoder that learns from what it generated (suffix decoding's response cache) would
+otherwise be timed on prompts whose answers it had already seen. The prefix cache is emptied because vLLM
+reuses less of a cached prompt when an EAGLE drafter runs (it drops back a KV block to rebuild the drafter's
+state), so cached timings favoured the target alone. vLLM's counters are read before and after each part, so
+a category's acceptance counts both its parts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 
+class Decoder:
+    """One engine over SPEC's prompts, driven prompt by prompt: time(category, i) for the timed prompts, then
+    finish() for the rest and OUT."""
+
+    def __init__(self, spec: dict):
+        from peagle_ray.engine import use_local_cores
+
+        use_local_cores()
+        from vllm import LLM, SamplingParams
+
+        from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
+
+        self.spec = spec
+        started = time.perf_counter()
+        self.llm = LLM(**spec["engine_args"])
+        self.engine_start_s = time.perf_counter() - started
+        self.sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
+        self.stats = lambda: SpecStats.from_counters(counters_from_snapshot(self.llm.get_metrics()))
+        if spec.get("warmup"):
+            self.llm.generate([{"prompt_token_ids": p} for p in spec["warmup"]], self.sampling, use_tqdm=False)
+        warm = spec.get("warmup") or [next(iter(spec["acceptance"].values()))[0]]
+        self.llm.generate(
+            [{"prompt_token_ids": warm[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
+        )
+        categories = spec["acceptance"]
+        self.tokens: dict[str, list[list[int]]] = {c: [] for c in categories}
+        self.per_prompt: dict[str, list[list[float]]] = {c: [] for c in categories}
+        self.timing = {c: SpecStats() for c in categories}
+
+    def time(self, category: str, index: int) -> list[float]:
+        """Time acceptance prompt `index` of `category` alone; the prompts of a category in order, each once."""
+        assert index == len(self.tokens[category]), f"{category}: prompt {index} out of order"
+        prompt = self.spec["acceptance"][category][index]
+        before = self.stats()
+        self.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        (output,) = self.llm.generate([{"prompt_token_ids": prompt}], self.sampling, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        ids = list(output.outputs[0].token_ids)
+        self.tokens[category].append(ids)
+        self.per_prompt[category].append([len(ids), seconds])
+        self.timing[category] = self.timing[category] + self.stats().minus(before)
+        return [len(ids), seconds]
+
+    def finish(self, rest: bool = True) -> dict[str, Any]:
+        """OUT; with `rest`, each category's untimed prompts first run as one batch."""
+        out: dict[str, Any] = {"engine_start_s": self.engine_start_s, "acceptance": {}, "timing": {}}
+        for category, prompts in self.spec["acceptance"].items():
+            timed, counts = self.per_prompt[category], self.timing[category]
+            out["timing"][category] = {
+                "tokens": sum(n for n, _ in timed),
+                "seconds": sum(s for _, s in timed),
+                "per_prompt": timed,
+                "counters": counts.__dict__,
+            }
+            tokens, untimed = list(self.tokens[category]), prompts[len(timed) :]
+            if rest and untimed:
+                before = self.stats()
+                outputs = self.llm.generate([{"prompt_token_ids": p} for p in untimed], self.sampling, use_tqdm=False)
+                tokens += [list(o.outputs[0].token_ids) for o in outputs]
+                counts = counts + self.stats().minus(before)
+            out["acceptance"][category] = {"tokens": tokens, "counters": counts.__dict__}
+            print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
+        return out
+
+
 def run(spec: dict) -> dict:
-    from peagle_ray.engine import use_local_cores
+    """One engine alone: its timed prompts in order, then the rest."""
+    decoder = Decoder(spec)
+    for category, n in spec["timing"].items():
+        for index in range(n):
+            decoder.time(category, index)
+    return decoder.finish()
 
-    use_local_cores()
-    from vllm import LLM, SamplingParams
 
-    from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
+def serve_commands(spec: dict, replies) -> None:
+    """The driven mode (module docstring): commands on stdin, one JSON answer per line on `replies`."""
 
-    started = time.perf_counter()
-    llm = LLM(**spec["engine_args"])
-    out: dict[str, Any] = {"engine_start_s": time.perf_counter() - started, "acceptance": {}, "timing": {}}
-    sampling = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"])
-    if spec.get("warmup"):
-        llm.generate([{"prompt_token_ids": p} for p in spec["warmup"]], sampling, use_tqdm=False)
-    stats = lambda: SpecStats.from_counters(counters_from_snapshot(llm.get_metrics()))  # noqa: E731
-    warm = spec.get("warmup") or [next(iter(spec["acceptance"].values()))[0]]
-    llm.generate([{"prompt_token_ids": warm[0]}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    for category, prompts in spec["acceptance"].items():
-        timed = prompts[: spec["timing"].get(category, 0)]
-        tokens, per_prompt, before = [], [], stats()
-        for prompt in timed:
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
-            (output,) = llm.generate([{"prompt_token_ids": prompt}], sampling, use_tqdm=False)
-            per_prompt.append([len(output.outputs[0].token_ids), time.perf_counter() - start])
-            tokens.append(list(output.outputs[0].token_ids))
-        timing = stats().minus(before)
-        out["timing"][category] = {
-            "tokens": sum(n for n, _ in per_prompt),
-            "seconds": sum(s for _, s in per_prompt),
-            "per_prompt": per_prompt,
-            "counters": timing.__dict__,
-        }
-        before = stats()
-        rest = prompts[len(timed) :]
-        if rest:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in rest], sampling, use_tqdm=False)
-            tokens += [list(o.outputs[0].token_ids) for o in outputs]
-        counts = timing + stats().minus(before)
-        out["acceptance"][category] = {"tokens": tokens, "counters": counts.__dict__}
-        print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
-    return out
+    def answer(value) -> None:
+        replies.write(json.dumps(value) + "\n")
+        replies.flush()
+
+    decoder = Decoder(spec)
+    answer({"ready": True, "engine_start_s": decoder.engine_start_s})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "time" in command:
+            answer(decoder.time(*command["time"]))
+        elif "finish" in command:
+            answer(decoder.finish(command["finish"]))
+            return
 
 
 if __name__ == "__main__":
-    spec_file, out_file = sys.argv[1:3]
-    result = run(json.loads(Path(spec_file).read_text()))
-    Path(out_file).write_text(json.dumps(result))
+    spec_file, *rest = sys.argv[1:]
+    spec = json.loads(Path(spec_file).read_text())
+    if rest[0] == "--driven":
+        serve_commands(spec, os.fdopen(int(rest[1]), "w"))
+    else:
+        Path(rest[0]).write_text(json.dumps(run(spec)))

@@ -341,3 +341,39 @@ def test_compare_times_engines_side_by_side_in_groups_and_keeps_a_failing_peer_a
         base = judged.baselines[name]
         assert base.acceptance == judged.baseline.acceptance and len(base.timing["a"]["per_prompt"]) == 2
     assert set(judged.overall()) == {"target", "ngram", "suffix", "broken"}
+
+
+@pytest.mark.vllm
+def test_the_hybrid_drafts_from_suffix_decoding_or_the_drafter_losslessly_and_counts_each(tiny_target, tmp_path):
+    """A random P-EAGLE drafter and suffix decoding in one engine (the vLLM plugin in peagle_ray/hybrid.py):
+    the target alone's outputs exactly; after a warm-up that gave suffix decoding these prompts' answers,
+    part of the drafts come from it; the counts per source add up to vLLM's own counters."""
+    import torch
+
+    from peagle_ray.config import build_config
+    from peagle_ray.drafter.build import drafter_for_target
+    from peagle_ray.eval import compare
+    from peagle_ray.export.speculators import export_drafter
+    from peagle_ray.spec_counters import SpecStats
+
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "drafter": {"num_depths": 3, "draft_vocab_size": 256},
+            "eval": {"max_new_tokens": 16},
+            "serving": {"log_dir": str(tmp_path / "logs")},
+        }
+    )
+    counts = torch.ones(516, dtype=torch.long)
+    drafter, _, _ = drafter_for_target(tiny_target, cfg.drafter, counts, 3, torch.Generator().manual_seed(0))
+    export = export_drafter(drafter, tmp_path / "peagle", tiny_target, [2, 3, 5], 3)
+    prompts = {"a": [[1, 5, 9, 5, 9, 5], [2, 7, 7, 7], [3, 4, 3, 4, 3]]}
+    candidate = compare.hybrid("hybrid", export, 3, threshold=0.5, warmup=prompts["a"])
+    judged = compare.compare(cfg, tiny_target, [candidate], prompts, 1)
+    row = judged.rows("hybrid")["overall"]
+    assert row["greedy_mismatches"] == 0
+    part = judged.runs["hybrid"].acceptance["a"]
+    sources = {s: SpecStats(**c) for s, c in part["by_source"].items()}
+    assert sources["suffix"].accepted_tokens > 0 and sources["drafter"].drafts > 0
+    total, vllm = sources["suffix"] + sources["drafter"], SpecStats(**part["counters"])
+    assert total.plus(SpecStats(accepted_per_position=[0] * 3)) == vllm  # vLLM's list has K positions

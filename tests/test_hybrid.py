@@ -23,7 +23,7 @@ def test_counts_per_source_add_up_to_what_vllm_counts_over_all_drafts():
     count_step(stats, ["suffix", "drafter", "drafter"], [3, 2, 0], [2, 0, 0])
     count_step(stats, ["suffix", "suffix", "drafter"], [1, 4, 2], [1, 4, 1])
     assert stats["suffix"] == SpecStats(3, 8, 7, [3, 2, 1, 1])
-    assert stats["drafter"] == SpecStats(2, 4, 1, [1])
+    assert stats["drafter"] == SpecStats(2, 4, 1, [1, 0])
     assert stats["suffix"].acceptance_length == pytest.approx(1 + 7 / 3)
     overall = stats["suffix"] + stats["drafter"]  # vLLM's own counters over every draft
     assert overall == SpecStats(5, 12, 8, [4, 2, 1, 1])

@@ -49,6 +49,7 @@ class Candidate:
     spec: dict
     warmup: list[list[int]] = field(default_factory=list)
     required: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # set in its engine's environment (the hybrid's threshold)
 
     @property
     def k(self) -> int:
@@ -72,6 +73,15 @@ def ngram(k: int, name: str | None = None) -> Candidate:
 def suffix(k: int, warmup: list[list[int]] | None = None) -> Candidate:
     """vLLM's suffix decoding (training-free; `warmup` prompts fill its response cache first)."""
     return Candidate("suffix", {"method": "suffix", "num_speculative_tokens": k}, list(warmup or []))
+
+
+def hybrid(name: str, export_dir: Path, k: int, threshold: float | None = None, warmup=None) -> Candidate:
+    """A trained drafter and suffix decoding in one engine (peagle_ray/hybrid.py): suffix decoding's draft
+    where its score reaches `threshold` (default K), else the drafter's."""
+    from peagle_ray.hybrid import THRESHOLD_ENV
+
+    spec = drafter(name, export_dir, k).spec
+    return Candidate(name, spec, list(warmup or []), env={THRESHOLD_ENV: str(k if threshold is None else threshold)})
 
 
 def suffix_available() -> bool:
@@ -124,7 +134,7 @@ def compare(
     before the first engine starts; then groups of eval.engines_at_once engines (the target alone and up to
     N - 1 candidates) are started side by side and timed in turn, prompt by prompt (`judge_group`)."""
     for candidate in candidates:
-        check_suffix(candidate.spec)
+        check_suffix({"method": "suffix"} if candidate.env else candidate.spec)
     size = cfg.eval.engines_at_once - 1
     counts = timing_counts(prompts, timing)
     out: Comparison | None = None
@@ -179,7 +189,7 @@ def judge_group(
 
     try:
         for d in decoders:  # started together; each waits for its own engine
-            engines[d.name] = DrivenEngine(cfg, target_dir, d.spec or None, prompts, counts, d.warmup, gpu_share)
+            engines[d.name] = DrivenEngine(cfg, target_dir, d, prompts, counts, gpu_share)
         for name in list(engines):
             try:
                 engines[name].ready()
@@ -219,9 +229,10 @@ class DrivenEngine:
     """A vllm_run process in its driven mode (eval/vllm_run.py): started at once, then asked command by
     command; its log goes to serving.log_dir/eval-engine.log."""
 
-    def __init__(self, cfg, target_dir, spec_config, prompts, counts, warmup, gpu_share: int | None):
-        self.what = f"evaluation engine ({spec_config or 'target only'})"
-        spec = engine_spec(cfg, target_dir, spec_config, prompts, counts, warmup)
+    def __init__(self, cfg, target_dir, decoder: Candidate, prompts, counts, gpu_share: int | None):
+        spec_config = decoder.spec or None
+        self.what = f"evaluation engine ({decoder.name}: {spec_config or 'target only'})"
+        spec = engine_spec(cfg, target_dir, spec_config, prompts, counts, decoder.warmup)
         if gpu_share:  # engines side by side share the GPU's memory
             spec["engine_args"]["gpu_memory_utilization"] = round(0.85 / gpu_share, 3)
         self.tmp = tempfile.TemporaryDirectory(prefix="peagle-eval-")
@@ -236,7 +247,7 @@ class DrivenEngine:
                 stdin=subprocess.PIPE,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env=target_engine_env(cfg.target, on_gpu=_on_gpu()),
+                env={**target_engine_env(cfg.target, on_gpu=_on_gpu()), **decoder.env},
                 pass_fds=(write,),
                 text=True,
             )

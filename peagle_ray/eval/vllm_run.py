@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peagle_ray.spec_counters import SpecStats
+
 
 class Decoder:
     """One engine over SPEC's prompts, driven prompt by prompt: time(category, i) for the timed prompts, then
@@ -64,12 +66,13 @@ class Decoder:
         self.tokens: dict[str, list[list[int]]] = {c: [] for c in categories}
         self.per_prompt: dict[str, list[list[float]]] = {c: [] for c in categories}
         self.timing = {c: SpecStats() for c in categories}
+        self.timing_sources: dict[str, dict[str, SpecStats]] = {c: {} for c in categories}
 
     def time(self, category: str, index: int) -> list[float]:
         """Time acceptance prompt `index` of `category` alone; the prompts of a category in order, each once."""
         assert index == len(self.tokens[category]), f"{category}: prompt {index} out of order"
         prompt = self.spec["acceptance"][category][index]
-        before = self.stats()
+        before, sources = self.stats(), by_source()
         self.llm.reset_prefix_cache()
         start = time.perf_counter()
         (output,) = self.llm.generate([{"prompt_token_ids": prompt}], self.sampling, use_tqdm=False)
@@ -78,6 +81,7 @@ class Decoder:
         self.tokens[category].append(ids)
         self.per_prompt[category].append([len(ids), seconds])
         self.timing[category] = self.timing[category] + self.stats().minus(before)
+        self.timing_sources[category] = added(self.timing_sources[category], since(sources))
         return [len(ids), seconds]
 
     def finish(self, rest: bool = True) -> dict[str, Any]:
@@ -92,14 +96,33 @@ class Decoder:
                 "counters": counts.__dict__,
             }
             tokens, untimed = list(self.tokens[category]), prompts[len(timed) :]
+            sources = self.timing_sources[category]
             if rest and untimed:
-                before = self.stats()
+                before, before_sources = self.stats(), by_source()
                 outputs = self.llm.generate([{"prompt_token_ids": p} for p in untimed], self.sampling, use_tqdm=False)
                 tokens += [list(o.outputs[0].token_ids) for o in outputs]
                 counts = counts + self.stats().minus(before)
+                sources = added(sources, since(before_sources))
             out["acceptance"][category] = {"tokens": tokens, "counters": counts.__dict__}
+            if sources:  # the hybrid: what each source drafted (peagle_ray/hybrid.py)
+                out["acceptance"][category]["by_source"] = {s: c.__dict__ for s, c in sources.items()}
             print(f"[eval] acceptance {category}: AL {counts.acceptance_length:.3f}", file=sys.stderr, flush=True)
         return out
+
+
+def by_source() -> dict:
+    """The hybrid decoder's counts per source so far in this process (empty for any other decoder)."""
+    from peagle_ray.hybrid import STATS
+
+    return {source: SpecStats(**vars(counts)) for source, counts in STATS.items()}
+
+
+def since(before: dict) -> dict:
+    return {source: counts.minus(before.get(source, SpecStats())) for source, counts in by_source().items()}
+
+
+def added(a: dict, b: dict) -> dict:
+    return {source: a.get(source, SpecStats()) + b.get(source, SpecStats()) for source in {*a, *b}}
 
 
 def run(spec: dict) -> dict:

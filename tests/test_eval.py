@@ -305,11 +305,11 @@ def test_suffix_decoding_is_built_by_setup_and_a_missing_build_names_the_command
     from peagle_ray.eval import compare
 
     assert compare.suffix_available()  # `make setup` built it into this virtualenv
-    compare.check_suffix(compare.suffix(4).spec)
+    compare.check_suffix(compare.suffix(4))
     monkeypatch.setattr(compare, "suffix_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"`make setup` builds it into the virtualenv"):
         compare.compare(PeagleConfig(), Path("unused"), [compare.ngram(2), compare.suffix(4)], {}, 1)
-    compare.check_suffix(compare.ngram(2).spec)  # only suffix decoding needs it
+    compare.check_suffix(compare.ngram(2))  # only suffix decoding needs it
 
 
 @pytest.mark.vllm

@@ -55,6 +55,13 @@ class Candidate:
     def k(self) -> int:
         return int(self.spec["num_speculative_tokens"])
 
+    @property
+    def uses_suffix(self) -> bool:
+        """Suffix decoding alone, or in the hybrid (peagle_ray/hybrid.py: its threshold in the environment)."""
+        from peagle_ray.hybrid import THRESHOLD_ENV
+
+        return self.spec.get("method") == "suffix" or THRESHOLD_ENV in self.env
+
 
 def drafter(name: str, export_dir: Path, k: int) -> Candidate:
     """A trained drafter (P-EAGLE or EAGLE-3 export) at K = k; required: a drafter under judgement that fails
@@ -88,10 +95,10 @@ def suffix_available() -> bool:
     return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
 
 
-def check_suffix(spec: dict | None) -> None:
-    """A clear error, naming the command that builds it, where a speculative config asks for suffix decoding
-    and its suffix tree is missing (vLLM's own error would come from inside the engine)."""
-    if spec is not None and spec.get("method") == "suffix" and not suffix_available():
+def check_suffix(candidate: Candidate) -> None:
+    """A clear error, naming the command that builds it, where a candidate uses suffix decoding and its suffix
+    tree is missing (vLLM's own error would come from inside the engine)."""
+    if candidate.uses_suffix and not suffix_available():
         raise RuntimeError(SUFFIX_MISSING.format(python=sys.executable))
 
 
@@ -134,7 +141,7 @@ def compare(
     before the first engine starts; then groups of eval.engines_at_once engines (the target alone and up to
     N - 1 candidates) are started side by side and timed in turn, prompt by prompt (`judge_group`)."""
     for candidate in candidates:
-        check_suffix({"method": "suffix"} if candidate.env else candidate.spec)
+        check_suffix(candidate)
     size = cfg.eval.engines_at_once - 1
     counts = timing_counts(prompts, timing)
     out: Comparison | None = None
@@ -226,7 +233,7 @@ def _on_gpu() -> bool:
 
 
 class DrivenEngine:
-    """A vllm_run process in its driven mode (eval/vllm_run.py): started at once, then asked command by
+    """A vllm_run process (eval/vllm_run.py): started at once, then asked command by
     command; its log goes to serving.log_dir/eval-engine.log."""
 
     def __init__(self, cfg, target_dir, decoder: Candidate, prompts, counts, gpu_share: int | None):
@@ -302,22 +309,15 @@ def run_engine(
     """One engine alone (eval/vllm_run.py) over `prompts`; the first `timing_prompts` of each category (one
     count for all, or {category: count}) are timed at batch 1; `warmup` prompts are generated first,
     unmeasured. Comparisons time engines side by side instead (`compare`)."""
-    spec = engine_spec(cfg, target_dir, spec_config, prompts, timing_counts(prompts, timing_prompts), warmup)
-    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
-        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_file.write_text(json.dumps(spec))
-        log = Path(cfg.serving.log_dir) / "eval-engine.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("a") as sink:
-            proc = subprocess.run(
-                [sys.executable, "-m", "peagle_ray.eval.vllm_run", str(spec_file), str(out_file)],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env=target_engine_env(cfg.target, on_gpu=_on_gpu()),
-            )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"evaluation engine ({spec_config or 'target only'}) failed with exit code "
-                f"{proc.returncode}; log: {log}"
-            )
-        return EngineRun(**json.loads(out_file.read_text()))
+    counts = timing_counts(prompts, timing_prompts)
+    engine = DrivenEngine(
+        cfg, target_dir, Candidate("alone", spec_config or {}, list(warmup or [])), prompts, counts, None
+    )
+    try:
+        engine.ready()
+        for category, n in counts.items():
+            for index in range(n):
+                engine.ask({"time": [category, index]})
+        return EngineRun(**engine.ask({"finish": True}))
+    finally:
+        engine.close()

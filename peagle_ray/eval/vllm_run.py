@@ -1,7 +1,6 @@
 """One decoder's vLLM engine in an evaluation, in its own process (on CPU vLLM's engine core and model run
-inside it, engine.py). Two ways to run it:
+inside it, engine.py), driven command by command by eval/compare.py:
 
-    python -m peagle_ray.eval.vllm_run SPEC.json OUT.json      # alone: time, then the rest, then OUT
     python -m peagle_ray.eval.vllm_run SPEC.json --driven FD   # driven by eval/compare.py, prompt by prompt
 
 SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_tokens",
@@ -11,11 +10,12 @@ OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
        "timing": {category: {"tokens": n, "seconds": s, "per_prompt": [[tokens, seconds], ...], "counters": {...}}},
        "engine_start_s": s}
 
-Driven, the process reads one JSON command per line on stdin and answers each with one JSON line on file
+The process reads one JSON command per line on stdin and answers each with one JSON line on file
 descriptor FD (vLLM's own output stays on stdout and stderr, in the log): after {"ready": true},
 {"time": [category, i]} times acceptance prompt i of a category, {"finish": rest} returns OUT (running the
 untimed prompts first when `rest`) and exits. compare.py keeps several such engines alive side by side and
-times them in turn, prompt by prompt, so that no verdict comes from drift between engine runs.
+times them in turn, prompt by prompt, so that no verdict comes from drift between engine runs (run_engine
+drives one alone).
 
 Each prompt is generated exactly once. A timed prompt runs alone (batch 1, the latency a user sees) after the
 prefix cache is emptied; every timed prompt runs before any untimed one, which then run as one batch per
@@ -48,7 +48,7 @@ class Decoder:
         use_local_cores()
         from vllm import LLM, SamplingParams
 
-        from peagle_ray.spec_counters import SpecStats, counters_from_snapshot
+        from peagle_ray.spec_counters import counters_from_snapshot
 
         self.spec = spec
         started = time.perf_counter()
@@ -125,17 +125,8 @@ def added(a: dict, b: dict) -> dict:
     return {source: a.get(source, SpecStats()) + b.get(source, SpecStats()) for source in {*a, *b}}
 
 
-def run(spec: dict) -> dict:
-    """One engine alone: its timed prompts in order, then the rest."""
-    decoder = Decoder(spec)
-    for category, n in spec["timing"].items():
-        for index in range(n):
-            decoder.time(category, index)
-    return decoder.finish()
-
-
 def serve_commands(spec: dict, replies) -> None:
-    """The driven mode (module docstring): commands on stdin, one JSON answer per line on `replies`."""
+    """Commands on stdin (module docstring), one JSON answer per line on `replies`."""
 
     def answer(value) -> None:
         replies.write(json.dumps(value) + "\n")
@@ -153,9 +144,5 @@ def serve_commands(spec: dict, replies) -> None:
 
 
 if __name__ == "__main__":
-    spec_file, *rest = sys.argv[1:]
-    spec = json.loads(Path(spec_file).read_text())
-    if rest[0] == "--driven":
-        serve_commands(spec, os.fdopen(int(rest[1]), "w"))
-    else:
-        Path(rest[0]).write_text(json.dumps(run(spec)))
+    spec_file, _driven, fd = sys.argv[1:]
+    serve_commands(json.loads(Path(spec_file).read_text()), os.fdopen(int(fd), "w"))

@@ -11,9 +11,12 @@ and swapped into the running endpoint.
       -> judge: stock vLLM, target alone / parent / new at the served K, on the held-out traffic and on
          adapt.general_suite (forgetting)
       -> promote when held-out AL gains >= adapt.min_gain and the suite's AL loses <= adapt.max_regression:
-         the alias moves; with adapt.swap, the endpoint on this cluster rolls onto the new drafter, which
-         drafts only if it was measurably faster than the target alone on the held-out traffic (else the
-         endpoint serves the target alone and says why: recommendation.json, as evaluation writes).
+         the alias moves
+      -> the decoder to serve: the served drafter (the new one when promoted), suffix decoding and the
+         hybrid (adapt.decoders), timed side by side with the target alone on the held-out traffic; the
+         fastest measurably faster one, else the target alone (recommendation.json, which serving reads)
+      -> with adapt.swap, the endpoint on this cluster rolls onto it when that changes what it serves; the
+         registered model's tags say what is served (served.decoder, served.k, served.version, served.why)
 
 e.g. held-out AL parent 1.20 -> new 1.65 (gain 0.45 >= 0.05), MT-Bench 1.18 -> 1.17 (loss 0.01 <= 0.02):
 promoted. Everything lands in <storage>/adapt/<time>/adapt.json and the adaptation's MLflow run.
@@ -35,7 +38,6 @@ from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
 
 if TYPE_CHECKING:
     from peagle_ray.eval.metrics import Row
-    from peagle_ray.export.speculators import Recommendation
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,13 @@ class AdaptReport:
     train_steps: int
     measured: dict[str, Judged]  # "parent", "new"
     verdict: Verdict
-    drafts: bool  # served with its drafter (False: the target alone), and why: recommendation
+    decoder: str  # what is served: "target" | "drafter" | "suffix" | "hybrid", and why: recommendation
     recommendation: str
     export_dir: str
     run_id: str
+    served_dir: str = ""  # the export deployed (the new one when promoted, else the parent's)
+    served_version: str = ""
+    decoders: dict[str, dict] = field(default_factory=dict)  # each decoder's held-out row (or {"failed": why})
     swapped: bool = False
     json: str = ""  # adapt.json
 
@@ -209,12 +214,46 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
     return out
 
 
-def heldout_recommendation(row: Row) -> Recommendation:
-    """Serve a drafter at its K only where its held-out row (judge's) was measurably faster than the target
-    alone (eval.sweep.recommend_k's rule: speedup less two standard errors above 1)."""
-    from peagle_ray.eval.metrics import recommend_k
+def choose_decoder(cfg: PeagleConfig, acfg: PeagleConfig, export_dir: Path, k: int, drafter_row: Row):
+    """(Recommendation, {decoder: held-out row}): the drafter's held-out row (judge's) beside suffix decoding and
+    the hybrid of this drafter (adapt.decoders), timed side by side with the target alone on the held-out
+    traffic after generating the recent recorded training requests (adapt.warmup_requests: what a serving
+    endpoint's suffix cache holds); eval.metrics.pick_decoder's verdict. The hybrid on a vLLM release it was
+    not written for is a note, not a row."""
+    from peagle_ray.eval import compare
+    from peagle_ray.eval.metrics import pick_decoder
+    from peagle_ray.hybrid import unsupported
+    from peagle_ray.target import resolve_target_path
 
-    return recommend_k({row["k"]: {"overall": row}})
+    rows: dict[str, dict] = {"drafter": dict(drafter_row)}
+    warmup = traffic_prompts(acfg, "train")[-cfg.adapt.warmup_requests :] if cfg.adapt.warmup_requests else []
+    peers = []
+    if "suffix" in cfg.adapt.decoders:
+        peers.append(compare.suffix(k, warmup))
+    if "hybrid" in cfg.adapt.decoders:
+        if (problem := unsupported()) is None:
+            peers.append(compare.hybrid("hybrid", export_dir, k, cfg.serving.hybrid_threshold, warmup))
+        else:
+            rows["hybrid"] = {"failed": problem}
+    if peers:
+        heldout = traffic_prompts(acfg, "validation")
+        progress = lambda what: print(f"[adapt] decoders: {what}", flush=True)  # noqa: E731
+        judged = compare.compare(
+            cfg, resolve_target_path(cfg), peers, {TRAFFIC: heldout}, cfg.eval.timing_prompts, progress
+        )
+        rows.update({name: row for name, row in judged.overall().items() if name != "target"})
+    return pick_decoder(rows, k, exact=cfg.target.dtype == "float32"), rows
+
+
+def traffic_prompts(acfg: PeagleConfig, split: str) -> list[list[int]]:
+    """The prompt part of each recorded request in a split of the adaptation's prepared data."""
+    from peagle_ray.data.prepare import read_prepared
+
+    return [
+        s.input_ids[: s.loss_mask.index(1)]
+        for s in read_prepared(Path(acfg.data.output_dir), split)
+        if s.category == TRAFFIC and 1 in s.loss_mask
+    ]
 
 
 def run_adapt(cfg: PeagleConfig) -> AdaptReport:
@@ -271,8 +310,13 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
         set_drafter_k(new_dir, k)  # served at the K the parent is served at
         measured = judge(cfg, acfg, {"parent": parent_dir, "new": new_dir}, k)
         verdict = decide(cfg, measured["parent"], measured["new"])
-        serving = heldout_recommendation(measured["new"].heldout)
-        write_recommendation(new_dir, serving)  # the endpoint drafts with it only where that paid
+        served_dir, served_version, who = (
+            (new_dir, trained.registered_version, "new")
+            if verdict.promote
+            else (parent_dir, parent["version"], "parent")
+        )
+        serving, decoders = choose_decoder(cfg, acfg, served_dir, k, measured[who].heldout)
+        write_recommendation(served_dir, serving)  # serving reads it: the decoder measured fastest
         report = AdaptReport(
             registered_model=name,
             parent_version=parent["version"],
@@ -282,10 +326,13 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
             train_steps=cfg.adapt.max_steps,
             measured=measured,
             verdict=verdict,
-            drafts=serving.draft,
+            decoder=serving.decoder if serving.draft else "target",
             recommendation=serving.reason,
             export_dir=trained.export_dir,
             run_id=trained.run_id,
+            served_dir=str(served_dir),
+            served_version=str(served_version),
+            decoders=decoders,
         )
         _record(uri, cfg, report)
         report.swapped = _promote(uri, cfg, report, (parent_dir, f"{name}/{parent['version']}"))
@@ -293,6 +340,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
     report.json = str(work / "adapt.json")
     Path(report.json).write_text(json.dumps(report.to_json(), indent=2))
     print(f"[adapt] v{report.version}: {report.verdict.why}; promoted: {report.promote}", flush=True)
+    print(f"[adapt] serving: {report.recommendation}", flush=True)
     return report
 
 
@@ -313,19 +361,41 @@ def _record(uri: str, cfg: PeagleConfig, report: AdaptReport) -> None:
 
 
 def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, previous: tuple[Path, str]) -> bool:
-    """Move the alias to the new version and swap it into a running endpoint; True when swapped."""
-    from peagle_ray.serve.app import endpoint_running, swap_drafter
-    from peagle_ray.tracking import set_alias
+    """Move the alias to the new version when promoted; with adapt.swap, roll the endpoint running on this
+    cluster onto the served export and its chosen decoder when that changes what it serves (the registered
+    model's served.* tags say what it serves) and tag the model with it; True when swapped."""
+    from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.serve.app import endpoint_running, serving_decoder, swap_drafter
+    from peagle_ray.tracking import model_tags, set_alias, set_model_tags
 
-    if not report.promote or report.version is None:
-        return False
     name = registered_name(cfg)
-    set_alias(uri, name, cfg.adapt.alias, report.version)
+    if report.promote and report.version is not None:
+        set_alias(uri, name, cfg.adapt.alias, report.version)
     if not (cfg.adapt.swap and endpoint_running()):
         return False
-    swap_drafter(cfg, Path(report.export_dir), f"{name}/{report.version}", previous)
-    print(f"[adapt] the endpoint now serves {name}/{report.version}", flush=True)
+    label = f"{name}/{report.served_version}"
+    versioned = with_values(cfg, {"serving.drafter_version": label})
+    served = serving_decoder(versioned, read_drafter(Path(report.served_dir)))
+    tags = served_tags(served)
+    if not report.promote and all(model_tags(uri, name).get(key) == tags[key] for key in SAME_SERVING):
+        return False
+    swap_drafter(cfg, Path(report.served_dir), label, previous)
+    set_model_tags(uri, name, tags)
+    print(f"[adapt] the endpoint now serves {served.describe()} ({label})", flush=True)
     return True
+
+
+SAME_SERVING = ("served.decoder", "served.k", "served.version")  # equal: the endpoint serves this already
+
+
+def served_tags(served) -> dict[str, str]:
+    """The registered model's tags saying what the endpoint serves (serve/decoder.ServedDecoder)."""
+    return {
+        "served.decoder": served.decoder,
+        "served.k": str(served.k),
+        "served.version": served.version or "",
+        "served.why": served.reason[:5000],
+    }
 
 
 # ---- continuous mode: `peagle-ray serve --adapt-every MINUTES` ----------------------------------------------

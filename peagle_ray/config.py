@@ -406,6 +406,18 @@ class ServingConfig(_Section):
     num_speculative_tokens: int | None = Field(default=None, ge=1)
     """K used when serving. None takes the drafter's recommended K (or drafter.num_depths)."""
 
+    decoder: Literal["auto", "target", "drafter", "suffix", "hybrid"] = "auto"
+    """What the endpoint decodes with. auto: what the drafter's evaluation measured fastest on its judged
+    prompts (its recommendation.json: the drafter, suffix decoding, the hybrid, or the target alone); drafter:
+    the trained drafter; suffix: vLLM's suffix decoding (training-free: drafts from earlier prompts and
+    answers); hybrid: both in one engine, suffix decoding's draft where its score reaches
+    serving.hybrid_threshold (peagle_ray/hybrid.py); target: no drafting."""
+
+    hybrid_threshold: float | None = Field(default=None, gt=0)
+    """The hybrid's rule: take suffix decoding's draft where its score (the sum of its tokens' estimated
+    probabilities) reaches this, else the drafter's. None: K / 2 (measured: hybrid.default_threshold; Arctic
+    Inference's K takes almost no suffix draft where vLLM stops them at K)."""
+
     draft_max_batch_size: int | None = Field(default=None, ge=1)
     """Draft only while at most this many requests run at once; above it the endpoint decodes with the target
     alone (vLLM's num_speculative_tokens_per_batch_size schedule). None drafts at every batch size. Verifying
@@ -514,6 +526,16 @@ class AdaptConfig(_Section):
 
     swap: bool = True
     """After a promotion, swap the new drafter into the endpoint running on this Ray cluster (if any)."""
+
+    decoders: list[Literal["suffix", "hybrid"]] = Field(default_factory=lambda: ["suffix", "hybrid"])
+    """Decoders timed beside the served drafter on the held-out traffic, side by side with the target alone;
+    the fastest measurably faster one is served (eval.metrics.pick_decoder): suffix = vLLM's suffix decoding,
+    hybrid = the drafter and suffix decoding in one engine (serving.hybrid_threshold). [] judges the drafter
+    alone."""
+
+    warmup_requests: int = Field(default=64, ge=0)
+    """The most recent recorded training requests the suffix and hybrid engines generate before they are
+    timed: the answers a serving endpoint's suffix cache already holds."""
 
 
 class DemoConfig(_Section):

@@ -13,8 +13,10 @@ machine.
     -> adapt: the recorded traffic captured, the drafter fine-tuned    `peagle-ray adapt`
        on it, judged against the general one on the held-out
        requests (and MT-Bench, for forgetting), promoted, swapped in
-    -> one table (target alone, general, adapted on the held-out requests), the minutes of each stage, and
-       the live endpoint, recording, drafting only where its own measurement found drafting faster.
+       and, beside the served drafter, suffix decoding and the hybrid (both in one engine) timed with the
+       target alone; the endpoint rolls onto the fastest measurably faster decoder (else the target alone)
+    -> one table (target alone, general, adapted, suffix decoding, hybrid on the held-out requests), the
+       minutes of each stage, and the live endpoint, recording, serving the decoder its measurement chose.
 
 Every stage is the same code its own command runs. The budget is the config's (configs/demo.yaml);
 `--scale N` multiplies the general drafter's training steps. Ctrl-C stops the endpoint, Ray and MLflow.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,7 +105,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     from peagle_ray.adapt import run_adapt
     from peagle_ray.cluster import ensure_ray, joined_cluster
     from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import drafting_line, endpoint_banner, stop_endpoint
+    from peagle_ray.serve.app import endpoint_banner, serving_decoder, stop_endpoint
     from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 
@@ -126,17 +129,28 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
             url = _workload_traffic(cfg, general, label, stages)
             stages.start("adapt", f"the general drafter fine-tuned on the recorded {cfg.demo.workload} traffic")
             report = run_adapt(cfg)
-            served = _serve_the_measured(cfg, general, label, report)
+            served, served_label = (Path(report.served_dir), f"{cfg.tracking.registered_model}/{report.served_version}")
+            if not report.swapped:  # adapt left the endpoint as it was: serving the general drafter
+                served, served_label = general, label
+            serving = serving_decoder(with_values(cfg, {"serving.drafter_version": served_label}), read_drafter(served))
             stages.finish()
             table = results_table(report)
             result = storage / "demo.json"
             result.write_text(
-                json.dumps({"minutes": stages.minutes(), "table": table, "adapt": report.to_json()}, indent=2)
+                json.dumps(
+                    {
+                        "minutes": stages.minutes(),
+                        "table": table,
+                        "served": serving.to_json(),
+                        "adapt": report.to_json(),
+                    },
+                    indent=2,
+                )
             )
             print(
                 f"\n{table}\n\n{stages.table()}\n\nresults: {result} and {report.json}\nMLflow UI: {uri}\n"
                 f"{endpoint_banner(url, cfg).replace('MODEL', resolve_target_path(cfg).name)}\n"
-                f"{drafting_line(read_drafter(served))} (recording to {record_dir})\n"
+                f"{serving.line()} (recording to {record_dir})\n"
                 f"[demo] done in {sum(stages.minutes().values()):.1f} min",
                 flush=True,
             )
@@ -230,43 +244,37 @@ def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stag
     demo.requests of demo.workload sent through it one at a time; the endpoint's URL (it stays up)."""
     from tqdm import tqdm
 
+    from peagle_ray.adapt import served_tags
     from peagle_ray.data.workload import workload_prompts
     from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import start_endpoint
+    from peagle_ray.serve.app import serving_decoder, start_endpoint
     from peagle_ray.serve.client import send_traffic
     from peagle_ray.target import resolve_target_path
+    from peagle_ray.tracking import set_model_tags
 
     prompts = workload_prompts(cfg.demo.workload)[: cfg.demo.requests]
     stages.start("workload", f"{len(prompts)} {cfg.demo.workload} requests through the endpoint, recorded")
     target = resolve_target_path(cfg)
-    url = start_endpoint(with_values(cfg, {"serving.drafter_version": label}), target, read_drafter(general))
-    print(f"[demo] the endpoint serves {label} at {url}, recording to {cfg.serving.record_dir}", flush=True)
+    versioned = with_values(cfg, {"serving.drafter_version": label})
+    url = start_endpoint(versioned, target, read_drafter(general))
+    served = serving_decoder(versioned, read_drafter(general))
+    uri, registered = cfg.tracking.tracking_uri, cfg.tracking.registered_model
+    assert uri is not None and registered is not None  # run_demo set the one, _general_drafter checked the other
+    set_model_tags(uri, registered, served_tags(served))
+    print(
+        f"[demo] the endpoint serves {served.describe()} ({label}) at {url}, recording to {cfg.serving.record_dir}",
+        flush=True,
+    )
     with tqdm(total=len(prompts), desc="workload", unit="request") as bar:
         sent = send_traffic(cfg, url, target.name, prompts, cfg.demo.max_tokens, progress=bar)
     print(f"[demo] {sent.requests} requests in {sent.seconds:.0f} s ({sent.failed} failed)", flush=True)
     return url
 
 
-def _serve_the_measured(cfg: PeagleConfig, general: Path, label: str, report: AdaptReport) -> Path:
-    """The drafter the endpoint ends on: the adapted one when promoted (adapt swapped it in, with the verdict
-    of its held-out measurement), else the general one, redeployed with its own held-out verdict so that a
-    drafter measured slower than the target alone is not served."""
-    from peagle_ray.adapt import heldout_recommendation
-    from peagle_ray.eval.sweep import write_recommendation
-    from peagle_ray.serve.app import swap_drafter
-
-    if report.promote:
-        return Path(report.export_dir)
-    verdict = heldout_recommendation(report.measured["parent"].heldout)
-    write_recommendation(general, verdict)
-    if not verdict.draft:  # the endpoint drafts with it now: redeploy (a new replica) only to stop drafting
-        swap_drafter(cfg, general, label, (general, label))
-    return general
-
-
 def results_table(report: AdaptReport) -> str:
     """The target alone, the general and the adapted drafter on the held-out requests (adapt's judge), with
-    the general suite's AL beside them (forgetting), as a markdown table."""
+    the general suite's AL beside them (forgetting), then suffix decoding and the hybrid (adapt's decoders,
+    timed beside their own target-alone engine), as a markdown table; and what is served."""
     measured, k = report.measured, report.k
     parent = measured["parent"].heldout
     head = [
@@ -278,12 +286,20 @@ def results_table(report: AdaptReport) -> str:
     ]
     rows = []
     for who, name in (("parent", f"general (v{report.parent_version})"), ("new", f"adapted (v{report.version})")):
-        row, general = measured[who].heldout, measured[who].general
-        spread = f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""
-        positions = " ".join(f"{p:.2f}" for p in row["acceptance_per_position"])
-        rows.append(
-            f"| {name} | {row['acceptance_length']:.2f} | {positions} | {row['tokens_per_s']:.1f} | "
-            f"{row['speedup'] or 0:.2f}x{spread} | {row['greedy_mismatches']} | {general['acceptance_length']:.2f} |"
-        )
+        rows.append(table_row(name, measured[who].heldout, f"{measured[who].general['acceptance_length']:.2f}"))
+    served_as = "adapted" if report.promote else "general"
+    for decoder, name in (("suffix", "suffix decoding"), ("hybrid", f"hybrid ({served_as} + suffix)")):
+        row = report.decoders.get(decoder)
+        if row is not None:
+            rows.append(f"| {name} | failed: {row['failed']} |" if "failed" in row else table_row(name, row, "-"))
     verdict = f"adapted: {report.verdict.why}; promoted: {report.promote}"
-    return "\n".join([*head, *rows, "", verdict])
+    return "\n".join([*head, *rows, "", verdict, f"served: {report.recommendation}"])
+
+
+def table_row(name: str, row: Mapping, general_al: str) -> str:
+    spread = f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""
+    positions = " ".join(f"{p:.2f}" for p in row["acceptance_per_position"])
+    return (
+        f"| {name} | {row['acceptance_length']:.2f} | {positions} | {row['tokens_per_s']:.1f} | "
+        f"{row['speedup'] or 0:.2f}x{spread} | {row['greedy_mismatches']} | {general_al} |"
+    )

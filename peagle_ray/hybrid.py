@@ -2,13 +2,15 @@
 engine, as a vLLM plugin (entry point `vllm.general_plugins: peagle_hybrid`, `register`), not a fork.
 
 Each step, for each request, suffix decoding's draft is taken where its score (the sum of its estimated token
-probabilities: arctic-inference's SuffixDecodingDraft.score) reaches the threshold (by default the drafter's
-K, Arctic Inference's rule), else the drafter's (`choose`). The drafter's forward runs every step either way
+probabilities: arctic-inference's SuffixDecodingDraft.score) reaches the threshold (default_threshold: half the
+engine's K), else the drafter's (`choose`). The drafter's forward runs every step either way
 (whether it could be skipped on suffix steps is not measured yet: the same forward writes the drafter's KV for
 the tokens the target just verified). What each source drafted and what of
 it the target accepted is counted per source (`count_step`, into STATS), as vLLM counts all drafts
-(spec_counters.SpecStats). An engine runs the hybrid when its environment sets THRESHOLD_ENV (compare.hybrid
-does); the plugin checks the vLLM release it was written for. Lossless: the target verifies every draft.
+(spec_counters.SpecStats), and written to a file for the endpoint, whose engine core is another process.
+An engine runs the hybrid when its `additional_config` asks for it (`engine_config`: compare.hybrid and the
+endpoint do; `vllm serve --additional-config` too); the plugin checks the vLLM release it was written for.
+Lossless: the target verifies every draft.
 
     drafts, sources = choose([[5, 6], [7, 8]], [([1, 2, 3], 2.5), ([9], 0.4)], threshold=2)
     -> [[1, 2, 3], [7, 8]], ["suffix", "drafter"]
@@ -20,11 +22,29 @@ batch's token ids end before the tokens the step just sampled (`sampled` rows, -
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 
 from peagle_ray.spec_counters import SpecStats, add_lists
 
 SOURCES = ("suffix", "drafter")
+SUFFIX_MISSING = (
+    "vLLM's suffix decoding (method: suffix) needs arctic-inference's suffix tree, and {python} cannot import it: "
+    "`make setup` builds it into the virtualenv (scripts/build_suffix_decoding.sh)"
+)
+
+
+def suffix_available() -> bool:
+    """Whether this interpreter can import arctic-inference's suffix tree (scripts/build_suffix_decoding.sh)."""
+    import importlib.util
+
+    return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
 
 
 def choose(
@@ -64,78 +84,163 @@ def count_step(
 # ---- the vLLM plugin (entry point vllm.general_plugins: peagle_hybrid) ---------------------------------------
 
 VLLM_VERSION = "0.32.0"  # the release whose model runner this plugin wraps
-THRESHOLD_ENV = "PEAGLE_RAY_HYBRID_THRESHOLD"  # set in an engine's environment: that engine runs the hybrid
-STATS: dict[str, SpecStats] = {}  # this process's counts per source (an in-process engine: the eval's, a CPU replica's)
+CONFIG_KEY = "peagle_hybrid"  # vLLM's additional_config key that asks an engine for the hybrid (engine_config)
+STATS: dict[str, SpecStats] = {}  # this process's counts per source (an in-process engine: the eval's)
+log = logging.getLogger("peagle_ray.hybrid")
+
+
+def default_threshold(k: int) -> float:
+    """K / 2. Arctic Inference takes suffix decoding's draft at a score of K, but its suffix drafts run far past
+    K; in a vLLM engine they stop at the engine's K, so a score of K needs every token certain. Measured on
+    SmolLM2 (2 cores, HumanEval, 48 tokens, 26 warm-up prompts, 12 timed, docs/hybrid_threshold_smollm2.json):
+    threshold 4 at K = 4 took suffix decoding's draft on 9 of 554 steps (0.82x the target alone, the drafter's
+    cost), 4 at engine K = 8 (the drafter's cut to 4) on 45 of 408 (1.11x), 2 at K = 4 on 96 of 305 (1.52x),
+    2 at K = 8 on 89 of 294 (1.45x)."""
+    return k / 2
+
+
+def engine_config(threshold: float | None = None, drafter_k: int | None = None, stats_file: str | None = None) -> dict:
+    """vLLM's `additional_config` (engine argument; `--additional-config` of `vllm serve`) that runs the hybrid
+    in an engine whose speculative_config is a trained EAGLE-3 / P-EAGLE drafter: suffix decoding's draft
+    where its score reaches `threshold` (None: default_threshold of the engine's K); `drafter_k` cuts the drafter's drafts to its
+    first tokens (an engine K above the drafter's lets suffix decoding's drafts run longer); `stats_file`
+    receives the counts per source as JSON (read_stats), for a process other than the engine's."""
+    options = {"threshold": threshold, "drafter_k": drafter_k, "stats_file": stats_file}
+    return {CONFIG_KEY: {key: value for key, value in options.items() if value is not None}}
+
+
+def installed_vllm() -> str:
+    """The installed vLLM's version, read from its distribution's metadata (importing vLLM takes seconds)."""
+    from importlib.metadata import packages_distributions, version
+
+    names = packages_distributions().get("vllm") or ["vllm"]
+    return version(names[0])
+
+
+def unsupported(vllm_version: str | None = None) -> str | None:
+    """Why this vLLM cannot run the hybrid (another release than the one it was written for), or None."""
+    found = vllm_version or installed_vllm()
+    if found.split("+")[0] == VLLM_VERSION:
+        return None
+    return (
+        f"peagle-ray's hybrid decoder is written for vLLM {VLLM_VERSION} and this is {found}: the drafter alone drafts"
+    )
 
 
 def register() -> None:
-    """vLLM runs this in every process it starts. It changes nothing unless the engine's environment asks for
-    the hybrid (THRESHOLD_ENV, the suffix score at which suffix decoding's draft is taken); then it wraps the
-    model runner's proposal step so that, after the trained drafter (EAGLE-3 or P-EAGLE) proposed, each
-    request's draft is suffix decoding's where its score reaches the threshold (`choose`). On another vLLM
-    release it logs one error and the drafter alone drafts."""
-    import logging
-    import os
-
-    if THRESHOLD_ENV not in os.environ:
+    """vLLM runs this in every process it starts: wraps the model runner's proposal step (`hybrid_proposer`),
+    which changes nothing unless the engine's additional_config asks for the hybrid (CONFIG_KEY)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # CPUModelRunner inherits its proposal step
+    except ImportError as err:
+        log.debug("no vLLM V1 model runner to wrap (%s)", err)
         return
-    import vllm
-
-    if vllm.__version__ != VLLM_VERSION:
-        logging.getLogger(__name__).error(
-            "peagle-ray's hybrid decoder is written for vLLM %s and this is %s: the drafter alone drafts",
-            VLLM_VERSION,
-            vllm.__version__,
-        )
+    if getattr(GPUModelRunner, "_peagle_hybrid", False) or not hasattr(GPUModelRunner, "propose_draft_token_ids"):
         return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # CPUModelRunner inherits its proposal step
+    GPUModelRunner.propose_draft_token_ids = hybrid_proposer(GPUModelRunner.propose_draft_token_ids, installed_vllm())
+    GPUModelRunner._peagle_hybrid = True
 
-    if getattr(GPUModelRunner, "_peagle_hybrid", False):
-        return
-    threshold = float(os.environ[THRESHOLD_ENV])
-    drafter_proposes = GPUModelRunner.propose_draft_token_ids
+
+def hybrid_proposer(drafter_proposes, vllm_version: str):
+    """The model runner's proposal step with the hybrid behind it: after the trained drafter proposed, each
+    request's draft is suffix decoding's where its score reaches the threshold (`choose`). An engine whose
+    additional_config does not ask for it proposes as before; one on another vLLM release (`unsupported`) or
+    without an EAGLE-3 / P-EAGLE drafter logs one error and the drafter alone drafts."""
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafts = drafter_proposes(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        spec = self.speculative_config
-        if spec is None or not spec.use_eagle():
-            return drafts
-        if "_peagle_suffix" not in self.__dict__:
-            self._peagle_suffix = SuffixDrafts(spec, self.max_model_len)
-        return self._peagle_suffix.merge(self.input_batch, sampled_token_ids, drafts, threshold)
+        hybrid = self.__dict__.get("_peagle_suffix")
+        if hybrid is None:
+            hybrid = self.__dict__["_peagle_suffix"] = start_hybrid(self, vllm_version) or False
+        return hybrid.merge(self.input_batch, sampled_token_ids, drafts) if hybrid else drafts
 
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    GPUModelRunner._peagle_hybrid = True
+    return propose_draft_token_ids
+
+
+def start_hybrid(runner, vllm_version: str) -> SuffixDrafts | None:
+    """The runner's SuffixDrafts where its additional_config asks for the hybrid and it can run, else None."""
+    extra = getattr(runner.vllm_config, "additional_config", None)
+    options = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if options is None:
+        return None
+    problem = unsupported(vllm_version)
+    spec = runner.speculative_config
+    if problem is None and (spec is None or not spec.use_eagle()):
+        problem = f"the hybrid decoder needs an EAGLE-3 or P-EAGLE drafter; this engine's speculative method is {spec and spec.method}"
+    if problem is not None:
+        log.error(problem)
+        return None
+    threshold = options.get("threshold", default_threshold(spec.num_speculative_tokens))
+    stats = StatsFile(options["stats_file"]) if options.get("stats_file") else None
+    log.info("hybrid decoder: suffix decoding's draft where its score reaches %s, else the drafter's", threshold)
+    return SuffixDrafts(spec, runner.max_model_len, float(threshold), options.get("drafter_k"), stats)
+
+
+class StatsFile:
+    """STATS written as JSON to `path` by a daemon thread, at most every `period_s`, whenever they changed
+    (`touch`): off the decoding path. The write replaces the file whole, so a reader never sees half of it."""
+
+    def __init__(self, path: str, period_s: float = 0.25):
+        self.path, self.period_s, self.changed = Path(path), period_s, threading.Event()
+        threading.Thread(target=self._run, name="peagle-hybrid-stats", daemon=True).start()
+
+    def touch(self) -> None:
+        self.changed.set()
+
+    def _run(self) -> None:
+        while True:
+            self.changed.wait()
+            self.changed.clear()
+            try:
+                part = self.path.with_name(self.path.name + ".part")
+                part.write_text(json.dumps({source: asdict(counts) for source, counts in STATS.items()}))
+                os.replace(part, self.path)
+            except OSError as err:
+                log.warning("hybrid decoder: counts per source not written to %s (%s)", self.path, err)
+            time.sleep(self.period_s)
+
+
+def read_stats(path: str | Path | None) -> dict[str, SpecStats]:
+    """The counts per source a StatsFile wrote ({} before the first, or where there is none)."""
+    try:
+        data = json.loads(Path(path).read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+    return {source: SpecStats(**counts) for source, counts in data.items()}
 
 
 class SuffixDrafts:
     """Suffix decoding beside the drafter in one engine: one arctic-inference suffix cache (each request's
     prompt and response, and the responses of finished requests), fed the tokens each step sampled."""
 
-    def __init__(self, spec, max_model_len: int):
+    def __init__(self, spec, max_model_len: int, threshold: float, drafter_k: int | None = None, stats=None):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-        self.spec, self.max_model_len = spec, max_model_len
+        self.spec, self.max_model_len, self.threshold = spec, max_model_len, threshold
+        self.drafter_k, self.stats = drafter_k, stats
         self.cache = SuffixDecodingCache(
             max_tree_depth=spec.suffix_decoding_max_tree_depth,
             max_cached_requests=spec.suffix_decoding_max_cached_requests,
         )
         self.drafted: dict[str, tuple[str, int]] = {}  # request -> (source, tokens) of its draft being verified
 
-    def merge(self, batch, sampled, drafter_drafts, threshold: float) -> list[list[int]]:
+    def merge(self, batch, sampled, drafter_drafts) -> list[list[int]]:
         """Per request of `batch`: the drafter's draft or suffix decoding's (`choose`); counts the drafts the
         target just verified into STATS. In vLLM's padded mode `sampled` is a [requests, K + 1] tensor with -1
-        after the accepted tokens, and the batch's token ids end before them."""
+        after the accepted ones, and the batch's token ids end before them."""
         rows = sampled.tolist() if hasattr(sampled, "tolist") else sampled
         new = [[t for t in row if t >= 0] for row in rows]
         own = drafter_drafts.tolist() if hasattr(drafter_drafts, "tolist") else [list(d) for d in drafter_drafts]
+        own = [row[: self.drafter_k] for row in own] if self.drafter_k else own
         suffix: list[tuple[list[int], float]] = []
         for i, req_id in enumerate(batch.req_ids):
             if req_id in self.drafted and new[i]:
                 source, n = self.drafted.pop(req_id)
                 count_step(STATS, [source], [n], [min(len(new[i]) - 1, n)])
+                if self.stats is not None:
+                    self.stats.touch()
             suffix.append(self._speculate(batch, i, req_id, new[i]) if new[i] else ([], 0.0))
-        drafts, sources = choose(own, suffix, threshold)
+        drafts, sources = choose(own, suffix, self.threshold)
         for i, req_id in enumerate(batch.req_ids):
             if new[i] and drafts[i]:
                 self.drafted[req_id] = (sources[i], len(drafts[i]))

@@ -351,6 +351,25 @@ def set_version_tags(uri: str, name: str, version: str, tags: dict) -> None:
         client.set_model_version_tag(name, version, key, str(value))
 
 
+def model_tags(uri: str, name: str) -> dict[str, str]:
+    """The registered model's own tags ({} when it does not exist)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return dict(MlflowClient(uri).get_registered_model(name).tags)
+    except MlflowException:
+        return {}
+
+
+def set_model_tags(uri: str, name: str, tags: dict) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    for key, value in tags.items():
+        client.set_registered_model_tag(name, key, str(value))
+
+
 def download_version(uri: str, name: str, version: str, dst: Path) -> Path:
     """The files of a registered version (an exported drafter) in dst; returns dst."""
     import mlflow.artifacts

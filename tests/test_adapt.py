@@ -110,8 +110,35 @@ def test_the_promoted_version_is_swapped_in_with_no_request_dropped(adapt_loop):
     assert report.swapped and during.ok > 0 and during.failed == [] and during.mismatched == []
     assert adapt_loop.stats["version"] == "peagle-drafter/2" and adapt_loop.stats["drafter"] == report.export_dir
     verdict = json.loads((Path(report.export_dir) / "recommendation.json").read_text())  # from held-out timing
-    assert verdict["draft"] == report.drafts and verdict["reason"] == report.recommendation
-    assert "over 1 timed prompts" in verdict["reason"] or "fewer than 2 timed prompts" in verdict["reason"]
+    assert verdict["reason"] == report.recommendation and "over 1 timed prompts" in verdict["reason"]
+    assert adapt_loop.stats["decoder"] == report.decoder == (verdict["decoder"] if verdict["draft"] else "target")
+
+
+def test_adapt_serves_the_decoder_measured_fastest_on_the_heldout_traffic(adapt_loop):
+    # the held-out requests repeat recorded ones: suffix decoding, warmed up on the recorded training
+    # requests, drafts whole answers; the random-then-adapted tiny drafter does not come close
+    report = adapt_loop.report
+    assert set(report.decoders) == {"drafter", "suffix", "hybrid"}
+    assert all(row["greedy_mismatches"] == 0 and row["timed_prompts"] == 1 for row in report.decoders.values())
+    assert report.decoders["suffix"]["acceptance_length"] > report.decoders["drafter"]["acceptance_length"]
+    assert report.decoder in ("suffix", "hybrid"), report.recommendation
+    sources = report.decoders["hybrid"]["by_source"]
+    assert sum(s["drafts"] for s in sources.values()) > 0 and sources["suffix"]["accepted_tokens"] > 0
+    tags = MlflowClient(adapt_loop.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
+    assert tags["served.decoder"] == report.decoder and tags["served.version"] == "peagle-drafter/2"
+    assert tags["served.why"] == report.recommendation and tags["served.k"] == str(K)
+
+
+def test_the_endpoint_switches_to_the_hybrid_under_load_and_counts_each_source(adapt_loop):
+    switching, stats = adapt_loop.switching, adapt_loop.hybrid_stats
+    assert switching.ok > 0 and switching.failed == [] and switching.mismatched == []
+    assert stats["decoder"] == "hybrid" and stats["threshold"] == 0.5 and stats["algorithm"] == "peagle"
+    sources = stats["by_source"]
+    assert sources["suffix"]["accepted_tokens"] > 0 and sources["drafter"]["drafts"] > 0  # both sources drafted
+    assert sum(s["drafts"] for s in sources.values()) == stats["drafts"]  # vLLM counts every draft once
+    assert sum(s["accepted_tokens"] for s in sources.values()) == stats["accepted_tokens"]
+    assert f'peagle_source_drafts{{source="suffix"}} {float(sources["suffix"]["drafts"])}' in stats["metrics"]
+    assert 'peagle_source_acceptance_rate{position="1",source="drafter"}' in stats["metrics"]
 
 
 def test_a_drafter_that_cannot_load_leaves_the_served_one_serving(adapt_loop):

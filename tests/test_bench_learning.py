@@ -60,9 +60,11 @@ def test_peers_train_ours_and_the_reference_on_the_same_shards_and_measure_them_
     side = peers.run(curve_cfg, steps=2, algorithms=["peagle"], suites=["mt-bench"], prompts=2, timed=1, ngram_k=[2])
     assert side["training"]["peagle"]["train_tokens"] == side["training"]["reference"]["train_tokens"]  # same data
     rows = side["suites"]["mt-bench"]
-    assert {"target", "peagle", "reference", "ngram-k2", "suffix"} <= set(rows)
-    for name in ("peagle", "reference", "ngram-k2", "suffix"):  # suffix decoding: built by `make setup`
+    assert {"target", "peagle", "reference", "ngram-k2", "suffix", "hybrid"} <= set(rows)
+    for name in ("peagle", "reference", "ngram-k2", "suffix", "hybrid"):  # suffix decoding: built by `make setup`
         assert rows[name]["greedy_mismatches"] == 0 and 1 <= rows[name]["acceptance_length"] <= K + 1
+    assert sum(source["drafts"] for source in rows["hybrid"]["by_source"].values()) > 0
+    assert "mt-bench_hybrid_speed_within_spread" in side["goals"]
     assert side["ngram_best"]["mt-bench"] == "ngram-k2" and "mt-bench_al_vs_reference" in side["goals"]
     assert peers.log_to_mlflow(curve_cfg, side)["bench-peers"]
 

@@ -98,3 +98,19 @@ def test_best_ngram_picks_the_fastest_row_that_ran():
         "ngram-k4": {"failed": "engine exited"},
     }
     assert peers.best_ngram(rows) == "ngram-k3" and peers.best_ngram({"target": {}}) is None
+
+
+def test_the_hybrid_is_judged_against_the_better_of_its_two_sources():
+    rows = {
+        "peagle": {"acceptance_length": 1.2, "speedup": 0.9, "speedup_se": 0.02},
+        "suffix": {"acceptance_length": 2.0, "speedup": 1.6, "speedup_se": 0.1},
+        "hybrid": {"acceptance_length": 2.1, "speedup": 1.5, "speedup_se": 0.1},
+    }
+    assert peers.hybrid_goals("humaneval", rows) == {
+        "humaneval_hybrid_al_vs_best": (1.05, True),
+        "humaneval_hybrid_speed_within_spread": (0.938, True),  # 1.5 + 0.2 >= 1.6
+        "humaneval_hybrid_speed_vs_faster": (0.938, False),
+    }
+    slower = {**rows, "hybrid": {"acceptance_length": 1.9, "speedup": 1.2, "speedup_se": 0.1}}
+    assert [met for _, met in peers.hybrid_goals("h", slower).values()] == [False, False, False]
+    assert peers.hybrid_goals("h", {"suffix": rows["suffix"], "hybrid": rows["hybrid"]}) == {}  # one source ran

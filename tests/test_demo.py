@@ -118,18 +118,31 @@ def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_run):
     assert "[demo] logs: " in out and "INFO" not in out, out[-3000:]  # INFO lines go to log files
 
 
-def test_the_endpoint_drafts_only_where_the_heldout_measurement_paid(demo_run):
-    outcome, answers = demo_run.outcome, demo_run.answers
-    # the endpoint ends on the adapted drafter when promoted, else on the general one; either drafts only
-    # where its held-out measurement was faster than the target alone
-    served = Path(outcome.adapt.export_dir if outcome.adapt.promote else outcome.served)
-    recommendation = json.loads((served / "recommendation.json").read_text())
+def test_the_endpoint_serves_the_decoder_its_heldout_measurement_chose(demo_run):
+    outcome, answers, report = demo_run.outcome, demo_run.answers, demo_run.outcome.adapt
+    # adapt timed suffix decoding and the hybrid beside the served drafter and the target alone; the endpoint
+    # ends on its choice (the fastest measurably faster decoder, else the target alone), or - where that is
+    # what it served already - stays as it was
+    assert set(report.decoders) == {"drafter", "suffix", "hybrid"}
+    assert "| suffix decoding |" in outcome.table and "| hybrid (" in outcome.table
+    assert f"served: {report.recommendation}" in outcome.table
     assert isinstance(answers[0], str)
-    if recommendation["draft"]:
-        assert answers[1]["algorithm"] == "peagle" and answers[1]["drafts"] > 0
-    else:  # a random tiny drafter is usually slower: the endpoint serves the target alone and says why
-        assert answers[1]["algorithm"] is None and answers[1]["drafts"] == 0
-        assert "the target alone is served" in demo_run.console and recommendation["reason"] in demo_run.console
+    served = answers[1]
+    assert served["decoder"] == (report.decoder if report.swapped else "drafter"), (served, report.recommendation)
+    if served["decoder"] in ("drafter", "hybrid"):  # the drafter drafts every step; suffix decoding where it matches
+        assert served["drafts"] > 0
+    elif served["decoder"] == "target":
+        assert served["drafts"] == 0
+    assert json.loads(outcome.json.read_text())["served"] == served_description(served)
+    assert "decoder:  " in demo_run.console and served["why"] in demo_run.console
+    tags = MlflowClient(f"sqlite:///{Path(demo_run.cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
+    model = tags.get_registered_model(demo_run.cfg.tracking.registered_model).tags
+    assert model["served.decoder"] == served["decoder"] and model["served.version"] == served["version"]
+
+
+def served_description(stats: dict) -> dict:
+    """The part of /v1/speculative_stats that says what is served (serve/decoder.ServedDecoder.to_json)."""
+    return {key: stats[key] for key in ("decoder", "k", "algorithm", "drafter", "version", "threshold", "why")}
 
 
 def test_recording_stays_on_for_the_live_endpoint(demo_run):

@@ -127,22 +127,90 @@ def test_per_prompt_speedups_and_their_standard_error():
 
 def test_no_drafting_serves_the_target_alone_and_says_why(tmp_path):
     from peagle_ray.export.speculators import DrafterInfo
-    from peagle_ray.serve.app import drafting_line, served_drafter
+    from peagle_ray.serve.decoder import served_decoder
 
     config = {"speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    verdict = Recommendation(False, 4, "no K is measurably faster than the target alone: ...")
+    verdict = Recommendation(False, 4, "nothing measurably faster than the target alone: ...")
     write_recommendation(tmp_path, verdict)
     assert json.loads((tmp_path / "config.json").read_text())["speculators_config"]["proposal_methods"][0] == {
         "speculative_tokens": 4  # the fastest K, for anyone who forces drafting
     }
     assert Recommendation.read(tmp_path) == verdict
     drafter = DrafterInfo(str(tmp_path), "peagle", 4, verdict)
-    assert served_drafter(drafter, None) is None and served_drafter(drafter, 3) is drafter  # a K asked for wins
-    assert "the target alone is served" in drafting_line(drafter) and verdict.reason in drafting_line(drafter)
-    drafting = DrafterInfo(str(tmp_path), "peagle", 4, Recommendation(True, 4, "1.30x"))
-    assert served_drafter(drafting, None) is drafting and "peagle at K = 4" in drafting_line(drafting)
-    assert served_drafter(DrafterInfo(str(tmp_path), "peagle", 4), None) is not None  # never evaluated: drafts
+    alone = served_decoder(drafter, None)
+    assert alone.decoder == "target" and alone.speculative_config() is None
+    assert "the target alone" in alone.line() and verdict.reason in alone.line()
+    asked = served_decoder(drafter, 3)  # a K asked for drafts with the drafter
+    assert (asked.decoder, asked.k) == ("drafter", 3) and asked.speculative_config()["num_speculative_tokens"] == 3
+    drafting = served_decoder(DrafterInfo(str(tmp_path), "peagle", 4, Recommendation(True, 4, "1.30x")), None)
+    assert drafting.decoder == "drafter" and "peagle at K = 4" in drafting.line()
+    assert served_decoder(DrafterInfo(str(tmp_path), "peagle", 4), None).decoder == "drafter"  # never evaluated
+
+
+def test_the_served_decoder_is_the_one_the_verdict_names_or_the_one_asked_for(tmp_path, monkeypatch):
+    from peagle_ray import hybrid
+    from peagle_ray.config import ConfigError
+    from peagle_ray.export.speculators import DrafterInfo
+    from peagle_ray.serve.decoder import served_decoder
+
+    suffix_won = DrafterInfo(str(tmp_path), "peagle", 4, Recommendation(True, 4, "suffix is served: ...", "suffix"))
+    served = served_decoder(suffix_won, None, version="peagle-drafter/2")
+    assert served.speculative_config(1) == {
+        "method": "suffix",
+        "num_speculative_tokens": 4,
+        "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 1 << 30, 0]],
+    }
+    assert served.additional_config("f") is None and served.uses_suffix
+    assert served.to_json() == {
+        "decoder": "suffix",
+        "k": 4,
+        "algorithm": None,  # no drafter runs
+        "drafter": str(tmp_path),
+        "version": "peagle-drafter/2",
+        "threshold": None,
+        "why": "suffix is served: ...",
+    }
+    both = served_decoder(suffix_won, 5, asked="hybrid", threshold=2.5)
+    assert both.speculative_config()["parallel_drafting"] and both.k == 5
+    assert both.additional_config("/tmp/s.json") == {"peagle_hybrid": {"threshold": 2.5, "stats_file": "/tmp/s.json"}}
+    assert "hybrid (peagle drafter + suffix decoding) at K = 5" in both.line()
+    assert served_decoder(None, None, asked="suffix").speculative_config() == {
+        "method": "suffix",
+        "num_speculative_tokens": 4,
+    }
+    with pytest.raises(ConfigError, match="serving.decoder 'hybrid' needs a drafter"):
+        served_decoder(None, None, asked="hybrid")
+    monkeypatch.setattr(hybrid, "installed_vllm", lambda: "0.33.1")  # another release: the drafter alone
+    fallback = served_decoder(suffix_won, None, asked="hybrid")
+    assert fallback.decoder == "drafter" and "written for vLLM 0.32.0 and this is 0.33.1" in fallback.reason
+
+
+def test_the_fastest_measurably_faster_decoder_is_served_and_a_simpler_one_wins_ties():
+    from peagle_ray.eval.metrics import pick_decoder
+
+    def row(speedup, se, wrong=0):
+        return {"speedup": speedup, "speedup_se": se, "greedy_mismatches": wrong, "timed_prompts": 10}
+
+    won = pick_decoder({"drafter": row(0.93, 0.02), "suffix": row(1.60, 0.1), "hybrid": row(1.95, 0.1)}, 4)
+    assert won == Recommendation(True, 4, won.reason, "hybrid") and won.reason.startswith("hybrid is served: ")
+    assert "suffix 1.60x +- 0.10; drafter 0.93x +- 0.02; hybrid 1.95x +- 0.10" in won.reason
+    tie = pick_decoder({"drafter": row(0.93, 0.02), "suffix": row(1.80, 0.1), "hybrid": row(1.85, 0.1)}, 4)
+    assert tie.decoder == "suffix"  # 1.80 >= 1.85 - 0.10: the simpler decoder
+    wrong = pick_decoder({"suffix": row(1.8, 0.1, wrong=1), "hybrid": {"failed": "no engine"}}, 4)
+    assert not wrong.draft and wrong.reason.startswith("nothing measurably faster than the target alone")
+    assert pick_decoder({"suffix": row(1.8, 0.1, wrong=1)}, 4, exact=False).decoder == "suffix"  # bfloat16
+    noisy = pick_decoder({"drafter": row(1.1, 0.06)}, 4)  # 1.1 - 2 x 0.06 <= 1
+    assert not noisy.draft and "drafter 1.10x +- 0.06" in noisy.reason
+
+
+def test_a_recommendation_names_a_decoder_and_reads_older_files(tmp_path):
+    (tmp_path / "recommendation.json").write_text(json.dumps({"draft": True, "k": 3, "reason": "1.2x"}))
+    assert Recommendation.read(tmp_path) == Recommendation(True, 3, "1.2x", "drafter")  # written before decoders
+    Recommendation(True, 4, "why", "hybrid").write(tmp_path)
+    assert Recommendation.read(tmp_path).decoder == "hybrid"
+    with pytest.raises(ValueError, match="recommendation decoder must be one of"):
+        Recommendation(True, 4, "why", "ngram")
 
 
 def test_recommended_k_goes_into_the_drafter_config(tmp_path):
@@ -377,3 +445,5 @@ def test_the_hybrid_drafts_from_suffix_decoding_or_the_drafter_losslessly_and_co
     assert sources["suffix"].accepted_tokens > 0 and sources["drafter"].drafts > 0
     total, vllm = sources["suffix"] + sources["drafter"], SpecStats(**part["counters"])
     assert total.plus(SpecStats(accepted_per_position=[0] * 3)) == vllm  # vLLM's list has K positions
+    shares = judged.overall()["hybrid"]["by_source"]  # what the tables and MLflow read
+    assert shares["suffix"]["drafts"] == sources["suffix"].drafts and "acceptance_length" in shares["drafter"]

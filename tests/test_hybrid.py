@@ -1,8 +1,22 @@
 """The hybrid decoder's pure parts (peagle_ray/hybrid.py): which source drafts, and the counts per source."""
 
+import logging
+import time
+from types import SimpleNamespace
+
 import pytest
 
-from peagle_ray.hybrid import choose, count_step
+from peagle_ray.hybrid import (
+    STATS,
+    VLLM_VERSION,
+    StatsFile,
+    choose,
+    count_step,
+    engine_config,
+    hybrid_proposer,
+    read_stats,
+    unsupported,
+)
 from peagle_ray.spec_counters import SpecStats
 
 
@@ -29,3 +43,46 @@ def test_counts_per_source_add_up_to_what_vllm_counts_over_all_drafts():
     assert overall == SpecStats(5, 12, 8, [4, 2, 1, 1])
     with pytest.raises(ValueError, match=r"accepted tokens must be 0..2 \(the draft's length\); got 3"):
         count_step(stats, ["drafter"], [2], [3])
+
+
+class _Runner:
+    """What the proposal step reads of vLLM's model runner: its config and its speculative config."""
+
+    def __init__(self, additional_config, method="eagle3"):
+        self.vllm_config = SimpleNamespace(additional_config=additional_config)
+        self.speculative_config = SimpleNamespace(method=method, use_eagle=lambda: method == "eagle3")
+        self.input_batch = None
+
+
+def test_an_engine_not_asking_for_the_hybrid_proposes_as_before_and_another_vllm_falls_back(caplog):
+    proposed = [[5, 6, 7]]
+    propose = hybrid_proposer(lambda runner, scheduler_output, sampled: proposed, VLLM_VERSION)
+    assert propose(_Runner({}), None, [[1]]) is proposed  # not asked: the drafter's drafts, untouched
+    old = hybrid_proposer(lambda runner, scheduler_output, sampled: proposed, "0.31.2")
+    runner = _Runner(engine_config(2.0))
+    with caplog.at_level(logging.ERROR, logger="peagle_ray.hybrid"):
+        assert old(runner, None, [[1]]) is proposed and old(runner, None, [[2]]) is proposed
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [unsupported("0.31.2")]  # one error, then the drafter alone drafts
+    assert "written for vLLM 0.32.0 and this is 0.31.2: the drafter alone drafts" in errors[0]
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="peagle_ray.hybrid"):
+        assert propose(_Runner(engine_config(), method="ngram"), None, [[1]]) is proposed
+    assert "needs an EAGLE-3 or P-EAGLE drafter; this engine's speculative method is ngram" in caplog.text
+
+
+def test_the_counts_per_source_reach_another_process_through_a_file(tmp_path):
+    path = tmp_path / "by_source.json"
+    assert read_stats(path) == {} and read_stats(None) == {}
+    STATS.clear()
+    try:
+        count_step(STATS, ["suffix", "drafter"], [3, 2], [2, 0])
+        StatsFile(str(path), period_s=0.01).touch()
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert read_stats(path) == {"suffix": SpecStats(1, 3, 2, [1, 1, 0]), "drafter": SpecStats(1, 2, 0, [0, 0])}
+    finally:
+        STATS.clear()
+    path.write_text("{half")
+    assert read_stats(path) == {}

@@ -10,10 +10,11 @@ On the offline shards (capture.output_dir), from the same initial state of the d
              flex attention (their GPU default). Its weights carry our names (they are the speculators layout
              both sides read), so it is exported and served exactly as ours.
 Then, per eval suite (MT-Bench, HumanEval, the validation split), stock vLLM at batch 1 and greedy: the target
-alone, both trainers' drafters at K = drafter.num_depths, vLLM's n-gram drafter (prompt lookup) at K = 2..4 and
-suffix decoding (its suffix tree built by `make setup`; its cache starts empty): acceptance per
-position, AL, tokens/s, speedup against the target alone and mismatches against it. One engine per decoder
-runs every suite's prompts, so all rows share one run.
+alone, both trainers' drafters at K = drafter.num_depths, vLLM's n-gram drafter (prompt lookup) at K = 2..4,
+suffix decoding (its suffix tree built by `make setup`; its cache starts empty) and the hybrid (our P-EAGLE
+and suffix decoding in one engine, peagle_ray/hybrid.py, its threshold serving.hybrid_threshold; its rows
+carry the counts per source): acceptance per position, AL, tokens/s, speedup against the target alone and
+mismatches against it. One engine per decoder runs every suite's prompts, so all rows share one run.
 
 The reference is optional: scripts/setup.sh installs it with `pip install --no-deps speculators==0.9.0
 hs-connectors==0.9.0` (its own requirements would replace the CPU torch wheel). Without it the reference row
@@ -219,6 +220,8 @@ def measure(cfg: PeagleConfig, exports: dict, suites, per_suite: int, timed: int
     k = cfg.drafter.num_depths
     candidates = [compare.drafter(name, path, k) for name, path in exports.items()]
     candidates += [compare.ngram(n, f"ngram-k{n}") for n in ngram_k] + [compare.suffix(k)]
+    if "peagle" in exports:
+        candidates.append(compare.hybrid("hybrid", exports["peagle"], k, cfg.serving.hybrid_threshold))
     say = lambda what: progress(f"bench peers: measuring {what} on {', '.join(suites)}")  # noqa: E731
     judged = compare.compare(cfg, target, candidates, prompts, timing, say)
     return {s: judged.overall(in_suite(s)) for s in suites}
@@ -247,6 +250,7 @@ def goals(result: dict) -> dict:
         if "acceptance_length" in rows.get("reference", {}) and "acceptance_length" in rows.get("peagle", {}):
             ratio = rows["peagle"]["acceptance_length"] / rows["reference"]["acceptance_length"]
             out[f"{suite}_al_vs_reference"] = (round(ratio, 3), ratio >= PEERS["al_vs_reference"])
+        out.update(hybrid_goals(suite, rows))
         best = result["ngram_best"].get(suite)
         if best and "speedup" in rows.get("peagle", {}):
             out[f"{suite}_speedup_vs_{best}"] = (
@@ -254,6 +258,31 @@ def goals(result: dict) -> dict:
                 rows["peagle"]["speedup"] >= rows[best]["speedup"],
             )
     return out
+
+
+def hybrid_goals(suite: str, rows: dict) -> dict:
+    """Issue 37's goals for the hybrid on one suite, against the better of its two sources (P-EAGLE alone and
+    suffix decoding): AL at least the larger AL; speed at least the faster's within one standard error of
+    each; and its speed over the faster's (>= 1.1 on one suite is the goal).
+
+    e.g. hybrid AL 2.1 at 1.5x +- 0.1, suffix AL 2.0 at 1.6x +- 0.1, peagle AL 1.2 at 0.9x -> AL met, speed met
+    (1.5 + 0.1 >= 1.6 - 0.1), ratio 0.938."""
+    hybrid = rows.get("hybrid", {})
+    sources = [rows[name] for name in ("peagle", "suffix") if "speedup" in rows.get(name, {})]
+    if "speedup" not in hybrid or len(sources) < 2:
+        return {}
+    best_al = max(row["acceptance_length"] for row in sources)
+    faster = max(sources, key=lambda row: row["speedup"])
+    spread = (hybrid.get("speedup_se") or 0) + (faster.get("speedup_se") or 0)
+    ratio = round(hybrid["speedup"] / faster["speedup"], 3)
+    return {
+        f"{suite}_hybrid_al_vs_best": (
+            round(hybrid["acceptance_length"] / best_al, 3),
+            hybrid["acceptance_length"] >= best_al,
+        ),
+        f"{suite}_hybrid_speed_within_spread": (ratio, hybrid["speedup"] + spread >= faster["speedup"]),
+        f"{suite}_hybrid_speed_vs_faster": (ratio, ratio >= 1.1),
+    }
 
 
 def run(

@@ -18,7 +18,6 @@ A peer whose engine fails is kept as a note instead of a row ({"failed": why}); 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -31,11 +30,9 @@ from pathlib import Path
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.eval.metrics import EngineRun, Row, summarize
+from peagle_ray.hybrid import SUFFIX_MISSING, suffix_available
+from peagle_ray.spec_counters import SpecStats
 
-SUFFIX_MISSING = (
-    "vLLM's suffix decoding (method: suffix) needs arctic-inference's suffix tree, and {python} cannot import it: "
-    "`make setup` builds it into the virtualenv (scripts/build_suffix_decoding.sh)"
-)
 Prompts = dict[str, list[list[int]]]  # category -> prompt token ids
 
 
@@ -49,7 +46,7 @@ class Candidate:
     spec: dict
     warmup: list[list[int]] = field(default_factory=list)
     required: bool = False
-    env: dict[str, str] = field(default_factory=dict)  # set in its engine's environment (the hybrid's threshold)
+    additional_config: dict = field(default_factory=dict)  # vLLM's additional_config (the hybrid's options)
 
     @property
     def k(self) -> int:
@@ -57,10 +54,10 @@ class Candidate:
 
     @property
     def uses_suffix(self) -> bool:
-        """Suffix decoding alone, or in the hybrid (peagle_ray/hybrid.py: its threshold in the environment)."""
-        from peagle_ray.hybrid import THRESHOLD_ENV
+        """Suffix decoding alone, or in the hybrid (peagle_ray/hybrid.py, asked for in additional_config)."""
+        from peagle_ray.hybrid import CONFIG_KEY
 
-        return self.spec.get("method") == "suffix" or THRESHOLD_ENV in self.env
+        return self.spec.get("method") == "suffix" or CONFIG_KEY in self.additional_config
 
 
 def drafter(name: str, export_dir: Path, k: int) -> Candidate:
@@ -82,17 +79,22 @@ def suffix(k: int, warmup: list[list[int]] | None = None) -> Candidate:
     return Candidate("suffix", {"method": "suffix", "num_speculative_tokens": k}, list(warmup or []))
 
 
-def hybrid(name: str, export_dir: Path, k: int, threshold: float | None = None, warmup=None) -> Candidate:
-    """A trained drafter and suffix decoding in one engine (peagle_ray/hybrid.py): suffix decoding's draft
-    where its score reaches `threshold` (default K), else the drafter's."""
-    from peagle_ray.hybrid import THRESHOLD_ENV
+def hybrid(
+    name: str,
+    export_dir: Path,
+    k: int,
+    threshold: float | None = None,
+    warmup=None,
+    drafter_k: int | None = None,
+    required: bool = False,
+) -> Candidate:
+    """A trained drafter and suffix decoding in one engine at K = k (peagle_ray/hybrid.py): suffix decoding's
+    draft where its score reaches `threshold` (default K / 2), else the drafter's (cut to `drafter_k` tokens).
+    On a vLLM release the plugin was not written for, its engine logs the error and the drafter drafts alone."""
+    from peagle_ray.hybrid import engine_config
 
     spec = drafter(name, export_dir, k).spec
-    return Candidate(name, spec, list(warmup or []), env={THRESHOLD_ENV: str(k if threshold is None else threshold)})
-
-
-def suffix_available() -> bool:
-    return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
+    return Candidate(name, spec, list(warmup or []), required, engine_config(threshold, drafter_k))
 
 
 def check_suffix(candidate: Candidate) -> None:
@@ -121,12 +123,25 @@ class Comparison:
         return summarize(self.ks[name], base.only(keep), self.runs[name].only(keep))
 
     def overall(self, keep: Callable[[str], bool] = lambda category: True) -> dict[str, dict]:
-        """{"target": its row, candidate: its overall row or its note}, in the order they were judged."""
+        """{"target": its row, candidate: its overall row (the hybrid's with its counts per source,
+        "by_source") or its note}, in the order they were judged."""
         base = self.baseline.only(keep)
         out: dict[str, dict] = {"target": dict(summarize(0, base, base)["overall"])}
         for name in [*self.runs, *self.notes]:
             out[name] = dict(self.rows(name, keep)["overall"]) if name in self.runs else self.notes[name]
+            if sources := self.by_source(name, keep):
+                out[name]["by_source"] = {source: counts.to_json() for source, counts in sources.items()}
         return out
+
+    def by_source(self, name: str, keep: Callable[[str], bool] = lambda category: True) -> dict[str, SpecStats]:
+        """The hybrid's counts per source over the categories `keep` accepts ({} for any other decoder)."""
+        total: dict[str, SpecStats] = {}
+        run = self.runs.get(name)
+        for category, part in run.acceptance.items() if run else []:
+            for source, counts in part.get("by_source", {}).items():
+                if keep(category):
+                    total[source] = total.get(source, SpecStats()) + SpecStats(**counts)
+        return total
 
 
 def compare(
@@ -240,6 +255,8 @@ class DrivenEngine:
         spec_config = decoder.spec or None
         self.what = f"evaluation engine ({decoder.name}: {spec_config or 'target only'})"
         spec = engine_spec(cfg, target_dir, spec_config, prompts, counts, decoder.warmup)
+        if decoder.additional_config:
+            spec["engine_args"]["additional_config"] = decoder.additional_config
         if gpu_share:  # engines side by side share the GPU's memory
             spec["engine_args"]["gpu_memory_utilization"] = round(0.85 / gpu_share, 3)
         self.tmp = tempfile.TemporaryDirectory(prefix="peagle-eval-")
@@ -254,7 +271,7 @@ class DrivenEngine:
                 stdin=subprocess.PIPE,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                env={**target_engine_env(cfg.target, on_gpu=_on_gpu()), **decoder.env},
+                env=target_engine_env(cfg.target, on_gpu=_on_gpu()),
                 pass_fds=(write,),
                 text=True,
             )

@@ -27,6 +27,7 @@ class Row(TypedDict):
     step_cost_vs_target: float | None  # one draft-and-verify step in target decode steps
     greedy_mismatches: int  # prompts whose greedy output differs from the target alone's
     speedup_vs_eagle3: NotRequired[float | None]  # P-EAGLE's rows, when both algorithms ran
+    by_source: NotRequired[dict[str, dict]]  # the hybrid's counts per source (SpecStats.to_json())
 
 
 @dataclass(frozen=True)
@@ -209,3 +210,40 @@ def recommend_k(by_k: ByK) -> Recommendation:
     if speedup is not None and speedup - 2 * (se or 0.0) > 1.0:
         return Recommendation(True, k, measured)
     return Recommendation(False, k, f"no K is measurably faster than the target alone: {measured}")
+
+
+SIMPLEST_FIRST = ("suffix", "drafter", "hybrid")  # suffix decoding runs no drafter; the hybrid runs both
+
+
+def pick_decoder(rows: dict[str, dict], k: int, exact: bool = True) -> Recommendation:
+    """The decoder to serve from each one's overall row against the target alone on the same prompts
+    ({"drafter" | "suffix" | "hybrid": Row, or {"failed": why}}): among those measurably faster (recommend_k's
+    rule: speedup less two standard errors above 1; with `exact`, float32, no greedy mismatch), the fastest,
+    except that a simpler one (SIMPLEST_FIRST) within the fastest's standard error of it wins, so that a
+    verdict does not flip on noise. None of them: the target alone.
+
+    e.g. suffix 1.80x +- 0.10, drafter 0.93x +- 0.02, hybrid 1.85x +- 0.10 -> suffix (1.80 >= 1.85 - 0.10)."""
+    measured = {name: rows[name] for name in SIMPLEST_FIRST if name in rows and "failed" not in rows[name]}
+
+    def spread(row) -> float:
+        return row.get("speedup_se") or 0.0
+
+    def faster(row) -> bool:
+        speedup = row.get("speedup")
+        lossless = not (exact and row.get("greedy_mismatches"))
+        return speedup is not None and speedup - 2 * spread(row) > 1.0 and lossless
+
+    summary = "; ".join(
+        f"{name} {row.get('speedup') or 0:.2f}x +- {spread(row):.2f}"
+        + (f" ({row['greedy_mismatches']} mismatches)" if row.get("greedy_mismatches") else "")
+        for name, row in measured.items()
+    )
+    timed = max((row.get("timed_prompts") or 0 for row in measured.values()), default=0)
+    measured_line = f"{summary} the target alone's speed at K = {k} over {timed} timed prompts"
+    eligible = [name for name, row in measured.items() if faster(row)]
+    if not eligible:
+        return Recommendation(False, k, f"nothing measurably faster than the target alone: {measured_line}")
+    best = max(eligible, key=lambda name: measured[name]["speedup"])
+    floor = measured[best]["speedup"] - spread(measured[best])
+    chosen = next(name for name in eligible if measured[name]["speedup"] >= floor)
+    return Recommendation(True, k, f"{chosen} is served: {measured_line}", decoder=chosen)

@@ -157,26 +157,38 @@ def export_drafter(
 RECOMMENDATION = "recommendation.json"
 
 
+DECODERS = ("drafter", "suffix", "hybrid")  # what a drafting verdict serves (recommendation.json's "decoder")
+
+
 @dataclass(frozen=True)
 class Recommendation:
-    """Evaluation's verdict on serving a drafter (recommendation.json in its export dir): draft at K, or not at
-    all (the target alone is served) when no K was measurably faster; `reason` says what was measured."""
+    """Evaluation's verdict on serving a drafter (recommendation.json in its export dir): draft at K with
+    `decoder` (the drafter alone, vLLM's suffix decoding, or both in one engine: peagle_ray/hybrid.py), or not
+    at all (the target alone is served) when nothing was measurably faster; `reason` says what was measured."""
 
     draft: bool
     k: int  # the fastest K measured
     reason: str
+    decoder: str = "drafter"  # one of DECODERS; read only where `draft`
+
+    def __post_init__(self):
+        if self.decoder not in DECODERS:
+            raise ValueError(f"recommendation decoder must be one of {DECODERS}; got {self.decoder!r}")
 
     def write(self, drafter_dir: Path) -> None:
         (Path(drafter_dir) / RECOMMENDATION).write_text(json.dumps(asdict(self), indent=2))
 
     @staticmethod
     def read(drafter_dir: Path) -> Recommendation | None:
+        """The verdict written with the export, None where none was (an earlier file without "decoder" meant
+        the drafter)."""
         path = Path(drafter_dir) / RECOMMENDATION
         if not path.is_file():
             return None
         try:
             data = json.loads(path.read_text())
-            return Recommendation(bool(data["draft"]), int(data["k"]), str(data["reason"]))
+            decoder = str(data.get("decoder", "drafter"))
+            return Recommendation(bool(data["draft"]), int(data["k"]), str(data["reason"]), decoder)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ConfigError(f"drafter {drafter_dir}: {RECOMMENDATION} cannot be read ({err})") from None
 

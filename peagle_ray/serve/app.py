@@ -2,14 +2,16 @@
 
 One replica builds vLLM's own FastAPI app (every OpenAI route vLLM has: /v1/models, /v1/completions,
 /v1/chat/completions with streaming, /health, /metrics, bearer-token auth on /v1 when a token is set) around
-an engine whose `speculative_config` is the exported drafter (P-EAGLE: parallel_drafting). peagle-ray adds:
+an engine that decodes with what serve/decoder.py chose: the target alone, the exported drafter (P-EAGLE:
+parallel_drafting), vLLM's suffix decoding, or both (the hybrid, peagle_ray/hybrid.py). peagle-ray adds:
 
   * request limits checked before vLLM sees the request (serve/limits.py): HTTP 400 naming the field, the
     limit and the value for a non-object body, n / best_of, logprobs, too many prompts, a prompt over
     serving.max_prompt_tokens, generated tokens (prompts x n x max_tokens) over serving.max_tokens_limit,
     or an unknown chat role (vLLM's own validation answers every other malformed request with a 4xx);
-  * GET /v1/speculative_stats: drafts, accepted tokens, acceptance per position and AL as JSON, and the
-    same as Prometheus gauges (peagle_acceptance_length, peagle_acceptance_rate{position}) on /metrics;
+  * GET /v1/speculative_stats: the decoder served and why, drafts, accepted tokens, acceptance per position
+    and AL as JSON (the hybrid's also per source: "by_source"), and the same as Prometheus gauges
+    (peagle_acceptance_length, peagle_acceptance_rate{position}, the hybrid's peagle_source_*) on /metrics;
   * with serving.record_dir, a record of every finished request for adaptation (serve/record.py), written
     off the request path.
 
@@ -28,10 +30,11 @@ from pathlib import Path
 from ray import serve
 
 from peagle_ray.cluster import ensure_serve_http
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.engine import cli_args, engine_args, target_engine_env, use_local_cores
-from peagle_ray.export.speculators import DrafterInfo, read_drafter, speculative_config
+from peagle_ray.export.speculators import DrafterInfo, read_drafter
 from peagle_ray.layout import drafter_dir
+from peagle_ray.serve.decoder import ServedDecoder, served_decoder
 from peagle_ray.serve.limits import Limits, admit
 from peagle_ray.serve.record import CURRENT_REQUEST
 
@@ -46,15 +49,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def vllm_args(
-    cfg: PeagleConfig,
-    target_dir: Path,
-    drafter: DrafterInfo | None,
-    k: int | None = None,
-    served_name: str | None = None,
-) -> list[str]:
-    """vLLM OpenAI-server command-line arguments for the target (+ drafter): engine.engine_args as flags."""
-    spec = speculative_config(drafter, k, cfg.serving.draft_max_batch_size) if drafter is not None else None
+def vllm_args(cfg: PeagleConfig, target_dir: Path, served: ServedDecoder, served_name: str | None = None) -> list[str]:
+    """vLLM OpenAI-server command-line arguments for the target and the decoder served: engine.engine_args as
+    flags (the hybrid's additional_config is added in the replica, which knows where its counts go)."""
+    spec = served.speculative_config(cfg.serving.draft_max_batch_size)
     args = cli_args(engine_args(cfg, target_dir, cfg.serving.num_gpus > 0, spec))
     args += ["--served-model-name", served_name or Path(target_dir).name]
     if cfg.serving.api_token:
@@ -146,8 +144,7 @@ class EndpointSpec:
     vllm_args: list[str]
     target_dir: str
     limits: Limits
-    drafter: DrafterInfo | None
-    drafter_version: str | None = None
+    served: ServedDecoder
     recording: Recording | None = None
 
 
@@ -169,11 +166,14 @@ class OpenAIEndpoint:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
+        from peagle_ray.hybrid import read_stats
         from peagle_ray.serve.stats import SpecStatsCollector
         from peagle_ray.spec_counters import current_stats
 
         use_local_cores()
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(self.spec.vllm_args)
+        extra = self.spec.served.additional_config(self.stats_file())
+        flags = [*self.spec.vllm_args, *(["--additional-config", json.dumps(extra)] if extra else [])]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(flags)
         self._engine_context = build_async_engine_client(args)
         self.engine = await self._engine_context.__aenter__()
         tasks = await self.engine.get_supported_tasks()
@@ -182,24 +182,30 @@ class OpenAIEndpoint:
         await init_app_state(self._recorded(names[0] if isinstance(names, list) else names), app.state, args, tasks)
         app.router.lifespan_context = _no_lifespan  # vLLM's only starts a periodic stats print
 
-        drafter = self.drafter_json()
+        served = self.spec.served.to_json()
+        by_source = lambda: read_stats(self._stats_file)  # noqa: E731 - the hybrid's engine core writes it
 
         @app.get("/v1/speculative_stats")
         async def speculative_stats():
-            return JSONResponse({**(drafter or {"algorithm": None}), **current_stats().to_json()})
+            sources = {name: counts.to_json() for name, counts in by_source().items()}
+            return JSONResponse({**served, **current_stats().to_json(), **({"by_source": sources} if sources else {})})
 
         try:
-            get_prometheus_registry().register(SpecStatsCollector())
+            get_prometheus_registry().register(SpecStatsCollector(by_source))
         except ValueError:
             pass  # already registered in this process
         tokenizer = AutoTokenizer.from_pretrained(self.spec.target_dir)
         # wrapped rather than app.add_middleware: vLLM's app has already built its middleware stack
         return RequestLimits(app, tokenizer, self.spec.limits, recording=self.recorder is not None)
 
-    def drafter_json(self) -> dict | None:
-        """{algorithm, drafter (its path), version} of the drafter served, None for the target alone."""
-        d = self.spec.drafter
-        return {"algorithm": d.algorithm, "drafter": d.path, "version": self.spec.drafter_version} if d else None
+    def stats_file(self) -> str | None:
+        """Where the hybrid's engine core writes its counts per source (None for any other decoder)."""
+        import tempfile
+
+        self._stats_file = None
+        if self.spec.served.decoder == "hybrid":
+            self._stats_file = str(Path(tempfile.mkdtemp(prefix="peagle-hybrid-")) / "by_source.json")
+        return self._stats_file
 
     def _recorded(self, model: str):
         """The engine client the app uses: the engine itself, or seen through a traffic recorder."""
@@ -210,7 +216,7 @@ class OpenAIEndpoint:
         if rec is None:
             return self.engine
         self.recorder = TrafficRecorder(rec.directory, rec.file_bytes, rec.max_bytes)
-        return RecordingEngine(self.engine, self.recorder, model, self.drafter_json())
+        return RecordingEngine(self.engine, self.recorder, model, self.spec.served.to_json())
 
     def __del__(self):
         if getattr(self, "recorder", None) is not None:
@@ -232,16 +238,10 @@ class _no_lifespan:
 
 def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None):
     """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter.
-    A drafter whose evaluation recommended no drafting serves the target alone, unless a K is asked for."""
-    k = k or cfg.serving.num_speculative_tokens
-    drafter = served_drafter(drafter, k)
+    What it decodes with is serving_decoder's choice."""
+    served = serving_decoder(cfg, drafter, k)
     spec = EndpointSpec(
-        vllm_args(cfg, target_dir, drafter, k),
-        str(target_dir),
-        request_limits(cfg),
-        drafter,
-        cfg.serving.drafter_version,
-        recording(cfg),
+        vllm_args(cfg, target_dir, served), str(target_dir), request_limits(cfg), served, recording(cfg)
     )
     env = target_engine_env(
         cfg.target, {}, cfg.serving.num_gpus > 0
@@ -253,22 +253,17 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | Non
     ).bind(spec)
 
 
-def served_drafter(drafter: DrafterInfo | None, k: int | None) -> DrafterInfo | None:
-    """The drafter the endpoint drafts with: None (the target alone) when its evaluation found no K faster than
-    the target alone and no K was asked for (serving.num_speculative_tokens, `k=`)."""
-    if drafter is None or k is not None or drafter.recommends_drafting:
-        return drafter
-    return None
+def serving_decoder(cfg: PeagleConfig, drafter: DrafterInfo | None, k: int | None = None) -> ServedDecoder:
+    """serve/decoder.served_decoder from the config (serving.decoder, serving.num_speculative_tokens unless `k`,
+    serving.hybrid_threshold, serving.drafter_version); suffix decoding without its suffix tree is refused
+    here, naming the command that builds it."""
+    from peagle_ray.hybrid import SUFFIX_MISSING, suffix_available
 
-
-def drafting_line(drafter: DrafterInfo | None, k: int | None = None) -> str:
-    """What the endpoint drafts with, and why, for a person reading the console."""
-    if drafter is None:
-        return "drafter:  none (the target alone)"
-    reason = f": {drafter.recommendation.reason}" if drafter.recommendation else ""
-    if served_drafter(drafter, k) is None:
-        return f"drafter:  none, the target alone is served (evaluation of {drafter.path}{reason})"
-    return f"drafter:  {drafter.algorithm} at K = {k or drafter.num_speculative_tokens} ({drafter.path}){reason}"
+    s = cfg.serving
+    served = served_decoder(drafter, k or s.num_speculative_tokens, s.decoder, s.hybrid_threshold, s.drafter_version)
+    if served.uses_suffix and not suffix_available():
+        raise ConfigError(SUFFIX_MISSING.format(python=sys.executable))
+    return served
 
 
 def recording(cfg: PeagleConfig) -> Recording | None:
@@ -301,11 +296,10 @@ def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = N
 
     target = resolve_target_path(cfg)
     drafter = read_drafter(drafter_dir) if drafter_dir is not None else None
+    served = serving_decoder(cfg, drafter, k)  # refused here, before Ray starts
     ensure_ray()
     url = start_endpoint(cfg, target, drafter, k)
-    print(
-        endpoint_banner(url, cfg), drafting_line(drafter, k or cfg.serving.num_speculative_tokens), sep="\n", flush=True
-    )
+    print(endpoint_banner(url, cfg), served.line(), sep="\n", flush=True)
     if detach:
         return
     try:

@@ -10,6 +10,7 @@ import json
 import shutil
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,8 @@ class AdaptLoop:
     skipped: AdaptReport | None  # continuous mode's round with too little traffic
     refusals: dict[str, str] = field(default_factory=dict)  # what adapt refused before and during, by case
     swap_error: str = ""
+    switching: Traffic | None = None  # paced requests while the endpoint switched to the hybrid decoder
+    hybrid_stats: dict = field(default_factory=dict)  # /v1/speculative_stats on the hybrid
 
 
 def recorded_lines(directory: Path) -> int:
@@ -183,6 +186,7 @@ def run_loop(tiny_target: Path, tmp: Path, expected: dict[str, list[int]]) -> Ad
         broken = tmp / "broken"  # a drafter whose weights vLLM cannot load: its replica never starts
         shutil.copytree(new_dir, broken)
         (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+        (broken / "recommendation.json").unlink(missing_ok=True)  # served as the drafter, whatever adapt chose
         swap_error = ""
         with Traffic(url, model, expected, "failing", pause_s=3.0) as failing:
             try:
@@ -191,9 +195,45 @@ def run_loop(tiny_target: Path, tmp: Path, expected: dict[str, list[int]]) -> Ad
                 swap_error = str(err)
         after_failure = speculative_stats(url)
         skipped = adapt_cycle(with_values(cfg, {"adapt.min_requests": 10_000}))  # continuous mode's round
+        hybrid = with_values(cfg, {"serving.decoder": "hybrid", "serving.hybrid_threshold": 0.5})
+        with Traffic(url, model, expected, "switching", pause_s=0.5) as switching:
+            swap_drafter(hybrid, new_dir, "peagle-drafter/2", (new_dir, "peagle-drafter/2"))
+            on_hybrid = switching.ok + 2 * len(WORKLOAD)  # every prompt seen by the new replica, then again
+            deadline = time.monotonic() + 120
+            while switching.ok < on_hybrid and time.monotonic() < deadline:
+                time.sleep(0.2)
+        hybrid_stats = settled_stats(url)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            hybrid_stats["metrics"] = resp.read().decode()
     finally:
         stop_endpoint()
-    return AdaptLoop(cfg, tmp, report, recorded, during, failing, stats, after_failure, skipped, refusals, swap_error)
+    return AdaptLoop(
+        cfg,
+        tmp,
+        report,
+        recorded,
+        during,
+        failing,
+        stats,
+        after_failure,
+        skipped,
+        refusals,
+        swap_error,
+        switching,
+        hybrid_stats,
+    )
+
+
+def settled_stats(url, timeout_s: float = 30) -> dict:
+    """/v1/speculative_stats once the hybrid's counts per source (written by its engine core every 0.25 s)
+    have caught up with vLLM's own."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = speculative_stats(url)
+        counted = sum(source["drafts"] for source in stats.get("by_source", {}).values())
+        if counted == stats["drafts"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.3)
 
 
 def speculative_stats(url) -> dict:

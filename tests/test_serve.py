@@ -18,6 +18,7 @@ from peagle_ray.data.sources import read_conversations
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.export.speculators import export_drafter, read_drafter
 from peagle_ray.serve.app import RequestLimits, free_port, start_endpoint, stop_endpoint, vllm_args
+from peagle_ray.serve.decoder import served_decoder
 from peagle_ray.serve.limits import Limits
 
 TOKEN = "test-token-123"
@@ -300,7 +301,7 @@ def test_auth_rejects_missing_and_wrong_tokens(endpoint):
 def test_auth_is_off_by_default_and_loopback_is_the_default_host(tiny_target, drafter_dir):
     cfg = build_config({})
     assert cfg.serving.host == "127.0.0.1" and cfg.serving.api_token is None
-    args = vllm_args(cfg, tiny_target, read_drafter(drafter_dir))
+    args = vllm_args(cfg, tiny_target, served_decoder(read_drafter(drafter_dir)))
     assert "--api-key" not in args and "--trust-remote-code" not in args
     assert args[args.index("--load-format") + 1] == "safetensors"
     spec = json.loads(args[args.index("--speculative-config") + 1])

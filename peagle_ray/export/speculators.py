@@ -200,10 +200,6 @@ class DrafterInfo:
     num_speculative_tokens: int  # the K exported (or the fastest K measured by evaluation)
     recommendation: Recommendation | None = None  # evaluation's verdict, when it ran
 
-    @property
-    def recommends_drafting(self) -> bool:
-        return self.recommendation is None or self.recommendation.draft
-
 
 def read_drafter(drafter_dir: Path) -> DrafterInfo:
     """The exported drafter's algorithm and K; refuses anything but a safetensors speculators export."""

@@ -354,10 +354,25 @@ def _record(uri: str, cfg: PeagleConfig, report: AdaptReport) -> None:
         for who, suffix in (("parent", "_parent"), ("new", ""))
     }
     rows.update({"adapt/gain": report.verdict.gain, "adapt/promoted": float(report.promote)})
-    log_metrics(uri, report.run_id, [(key, value, 0) for key, value in rows.items()])
+    log_metrics(uri, report.run_id, [(key, value, 0) for key, value in {**rows, **decoder_metrics(report)}.items()])
     if report.version is not None:
         tags = {"parent_version": report.parent_version, "promoted": report.promote, "why": report.verdict.why}
         set_version_tags(uri, registered_name(cfg), report.version, {**tags, **rows})
+
+
+def decoder_metrics(report: AdaptReport) -> dict[str, float]:
+    """Each decoder's held-out AL and speedup, and the hybrid's drafts, accepted tokens and AL per source, as
+    MLflow metrics: adapt/decoder_<name>_al, adapt/decoder_<name>_speedup, adapt/hybrid_<source>_drafts ..."""
+    out: dict[str, float] = {}
+    for name, row in report.decoders.items():
+        if "failed" in row:
+            continue
+        out[f"adapt/decoder_{name}_al"] = row["acceptance_length"]
+        out[f"adapt/decoder_{name}_speedup"] = row.get("speedup") or 0.0
+        for source, counts in row.get("by_source", {}).items():
+            for key in ("drafts", "accepted_tokens", "acceptance_length"):
+                out[f"adapt/{name}_{source}_{key}"] = float(counts[key])
+    return out
 
 
 def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, previous: tuple[Path, str]) -> bool:

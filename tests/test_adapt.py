@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from peagle_ray.adapt import Judged, Verdict, decide, epochs_for, regression_error, run_adapt, serve_adapting
+from peagle_ray.adapt import (
+    Judged,
+    Verdict,
+    decide,
+    decoder_metrics,
+    epochs_for,
+    regression_error,
+    run_adapt,
+    serve_adapting,
+)
 from peagle_ray.config import ConfigError, build_config
 from tests.helpers.adapt_loop import REPEATS, WORKLOAD, K
 
@@ -46,6 +55,29 @@ def test_a_general_suite_loss_within_its_noise_is_not_forgetting():
     # the same 0.04 lost evenly in every category is measurable forgetting -> held back, saying so
     steady = decide(cfg, parent, general(1.3, 1.16, 1.26, 1.06, 1.21))
     assert not steady.promote and "mt-bench AL loss 0.040 (+- 0.000 over its categories)" in steady.why
+
+
+def test_the_decoders_judged_become_mlflow_metrics_per_source_too():
+    from types import SimpleNamespace
+
+    decoders = {
+        "drafter": {"acceptance_length": 1.2, "speedup": 0.9},
+        "hybrid": {
+            "acceptance_length": 2.0,
+            "speedup": None,
+            "by_source": {"suffix": {"drafts": 3, "accepted_tokens": 5, "acceptance_length": 2.6}},
+        },
+        "suffix": {"failed": "engine exited"},
+    }
+    assert decoder_metrics(SimpleNamespace(decoders=decoders)) == {
+        "adapt/decoder_drafter_al": 1.2,
+        "adapt/decoder_drafter_speedup": 0.9,
+        "adapt/decoder_hybrid_al": 2.0,
+        "adapt/decoder_hybrid_speedup": 0.0,
+        "adapt/hybrid_suffix_drafts": 3.0,
+        "adapt/hybrid_suffix_accepted_tokens": 5.0,
+        "adapt/hybrid_suffix_acceptance_length": 2.6,
+    }
 
 
 def test_adaptation_repeats_a_small_recording_enough_passes_for_its_steps():
@@ -154,3 +186,7 @@ def test_the_registry_moves_the_alias_and_tags_the_measurements(adapt_loop):
     assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"
     new = adapt_loop.report.measured["new"].heldout["acceptance_length"]
     assert float(version.tags["adapt/heldout_al"]) == pytest.approx(new)
+    metrics = client.get_run(adapt_loop.report.run_id).data.metrics  # the decoders judged, per source too
+    hybrid = adapt_loop.report.decoders["hybrid"]
+    assert metrics["adapt/decoder_hybrid_speedup"] == pytest.approx(hybrid["speedup"])
+    assert metrics["adapt/hybrid_suffix_drafts"] == hybrid["by_source"]["suffix"]["drafts"]

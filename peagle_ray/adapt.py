@@ -273,6 +273,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
     from peagle_ray.data.sources import check_sources
     from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
     from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.serve.app import serving_decoder
     from peagle_ray.tracking import aliased_version, download_version, tracking_uri
     from peagle_ray.train.job import run_training
 
@@ -317,6 +318,10 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
         )
         serving, decoders = choose_decoder(cfg, acfg, served_dir, k, measured[who].heldout)
         write_recommendation(served_dir, serving)  # serving reads it: the decoder measured fastest
+        # what the endpoint serves from it under this config (serving.decoder, a K asked for): the report's
+        served = serving_decoder(
+            with_values(cfg, {"serving.drafter_version": f"{name}/{served_version}"}), read_drafter(served_dir)
+        )
         report = AdaptReport(
             registered_model=name,
             parent_version=parent["version"],
@@ -326,8 +331,8 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
             train_steps=cfg.adapt.max_steps,
             measured=measured,
             verdict=verdict,
-            decoder=serving.decoder if serving.draft else "target",
-            recommendation=serving.reason,
+            decoder=served.decoder,
+            recommendation=served.reason,
             export_dir=trained.export_dir,
             run_id=trained.run_id,
             served_dir=str(served_dir),
@@ -335,7 +340,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
             decoders=decoders,
         )
         _record(uri, cfg, report)
-        report.swapped = _promote(uri, cfg, report, (parent_dir, f"{name}/{parent['version']}"))
+        report.swapped = _promote(uri, cfg, report, served, (parent_dir, f"{name}/{parent['version']}"))
     work.mkdir(parents=True, exist_ok=True)
     report.json = str(work / "adapt.json")
     Path(report.json).write_text(json.dumps(report.to_json(), indent=2))
@@ -375,12 +380,12 @@ def decoder_metrics(report: AdaptReport) -> dict[str, float]:
     return out
 
 
-def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, previous: tuple[Path, str]) -> bool:
+def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, served, previous: tuple[Path, str]) -> bool:
     """Move the alias to the new version when promoted; with adapt.swap, roll the endpoint running on this
-    cluster onto the served export and its chosen decoder when that changes what it serves (the registered
-    model's served.* tags say what it serves) and tag the model with it; True when swapped."""
-    from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import endpoint_running, serving_decoder, swap_drafter
+    cluster onto the served export and its chosen decoder (`served`, a serve/decoder.ServedDecoder) when that
+    changes what it serves (the registered model's served.* tags say what it serves) and tag the model with
+    it; True when swapped."""
+    from peagle_ray.serve.app import endpoint_running, swap_drafter
     from peagle_ray.tracking import model_tags, set_alias, set_model_tags
 
     name = registered_name(cfg)
@@ -389,8 +394,6 @@ def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, previous: tuple[P
     if not (cfg.adapt.swap and endpoint_running()):
         return False
     label = f"{name}/{report.served_version}"
-    versioned = with_values(cfg, {"serving.drafter_version": label})
-    served = serving_decoder(versioned, read_drafter(Path(report.served_dir)))
     tags = served_tags(served)
     if not report.promote and all(model_tags(uri, name).get(key) == tags[key] for key in SAME_SERVING):
         return False

@@ -482,6 +482,12 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(default=128, gt=0)
     """Tokens generated per evaluation prompt."""
 
+    target_step_ms: float = Field(default=0.0, ge=0)
+    """Emulate a larger target: every engine judged (the target alone and each decoder) sleeps this many
+    milliseconds in each target forward (the plugin in peagle_ray/hybrid.py), as a target whose step costs
+    that much more would. Shows the speedup an acceptance length gives where the drafter is a small part of
+    the step (a one-layer drafter is ~3-5% of an 8B target's step on a GPU); 0 = off. Never for serving."""
+
     suite: Literal["validation", "mt-bench", "humaneval"] = "validation"
     """Prompts evaluated: the prepared validation split, MT-Bench's 80 first turns (8 categories), or
     HumanEval's 164 function stubs - the paper's benchmarks, read offline (the `data` extra)."""

@@ -8,7 +8,8 @@ engine's K), else the drafter's (`choose`). The drafter's forward runs every ste
 the tokens the target just verified). What each source drafted and what of
 it the target accepted is counted per source (`count_step`, into STATS), as vLLM counts all drafts
 (spec_counters.SpecStats), and written to a file for the endpoint, whose engine core is another process.
-An engine runs the hybrid when its `additional_config` asks for it (`engine_config`: compare.hybrid and the
+The same plugin can make each target forward slower (`slowed_forward`, additional_config STEP_COST_KEY:
+eval.target_step_ms emulates a larger target when judging). An engine runs the hybrid when its `additional_config` asks for it (`engine_config`: compare.hybrid and the
 endpoint do; `vllm serve --additional-config` too); the plugin checks the vLLM release it was written for.
 Lossless: the target verifies every draft.
 
@@ -85,6 +86,7 @@ def count_step(
 
 VLLM_VERSION = "0.32.0"  # the release whose model runner this plugin wraps
 CONFIG_KEY = "peagle_hybrid"  # vLLM's additional_config key that asks an engine for the hybrid (engine_config)
+STEP_COST_KEY = "peagle_target_step_ms"  # ... that makes each target forward this much slower (eval.target_step_ms)
 STATS: dict[str, SpecStats] = {}  # this process's counts per source (an in-process engine: the eval's)
 log = logging.getLogger("peagle_ray.hybrid")
 
@@ -138,7 +140,30 @@ def register() -> None:
     if getattr(GPUModelRunner, "_peagle_hybrid", False) or not hasattr(GPUModelRunner, "propose_draft_token_ids"):
         return
     GPUModelRunner.propose_draft_token_ids = hybrid_proposer(GPUModelRunner.propose_draft_token_ids, installed_vllm())
+    GPUModelRunner.execute_model = slowed_forward(GPUModelRunner.execute_model)
     GPUModelRunner._peagle_hybrid = True
+
+
+def slowed_forward(execute_model):
+    """The model runner's forward step, made `STEP_COST_KEY` milliseconds slower where the engine's
+    additional_config asks (eval.target_step_ms: a larger target emulated on a small one, for judging what an
+    acceptance length is worth where the drafter is a small part of the step); unchanged otherwise. Once per
+    engine step that runs the target on some tokens, speculative or not."""
+
+    def execute(self, scheduler_output, *args, **kwargs):
+        delay = self.__dict__.get("_peagle_step_s")
+        if delay is None:
+            extra = getattr(self.vllm_config, "additional_config", None)
+            delay = float(extra.get(STEP_COST_KEY, 0.0)) / 1000 if isinstance(extra, dict) else 0.0
+            self.__dict__["_peagle_step_s"] = delay
+            if delay:
+                log.warning("every target forward of this engine sleeps %.1f ms (%s: an emulated larger target)",
+                            delay * 1000, STEP_COST_KEY)  # fmt: skip
+        if delay and scheduler_output.total_num_scheduled_tokens:
+            time.sleep(delay)
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    return execute
 
 
 def hybrid_proposer(drafter_proposes, vllm_version: str):

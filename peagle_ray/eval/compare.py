@@ -30,7 +30,7 @@ from pathlib import Path
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.eval.metrics import EngineRun, Row, summarize
-from peagle_ray.hybrid import SUFFIX_MISSING, suffix_available
+from peagle_ray.hybrid import STEP_COST_KEY, SUFFIX_MISSING, suffix_available
 from peagle_ray.spec_counters import SpecStats
 
 Prompts = dict[str, list[list[int]]]  # category -> prompt token ids
@@ -255,8 +255,11 @@ class DrivenEngine:
         spec_config = decoder.spec or None
         self.what = f"evaluation engine ({decoder.name}: {spec_config or 'target only'})"
         spec = engine_spec(cfg, target_dir, spec_config, prompts, counts, decoder.warmup)
-        if decoder.additional_config:
-            spec["engine_args"]["additional_config"] = decoder.additional_config
+        extra = dict(decoder.additional_config)
+        if cfg.eval.target_step_ms:  # every engine of a comparison alike: an emulated larger target
+            extra[STEP_COST_KEY] = cfg.eval.target_step_ms
+        if extra:
+            spec["engine_args"]["additional_config"] = extra
         if gpu_share:  # engines side by side share the GPU's memory
             spec["engine_args"]["gpu_memory_utilization"] = round(0.85 / gpu_share, 3)
         self.tmp = tempfile.TemporaryDirectory(prefix="peagle-eval-")

@@ -101,10 +101,25 @@ def default_threshold(k: int) -> float:
     return k / 2
 
 
-def engine_config(threshold: float | None = None, drafter_k: int | None = None, stats_file: str | None = None) -> dict:
+ADAPTIVE = "drafter"  # the threshold that follows the drafter: its mean accepted tokens per draft so far
+
+
+def drafter_expectation(stats: dict[str, SpecStats]) -> float:
+    """The adaptive threshold (ADAPTIVE): the tokens the drafter's drafts had accepted on average in this
+    engine so far (0 before its first), the same unit as suffix decoding's score (the sum of its tokens'
+    estimated probabilities: the tokens it expects accepted). Suffix decoding's draft is taken where it
+    expects more than the drafter delivers."""
+    counts = stats.get("drafter")
+    return counts.accepted_tokens / counts.drafts if counts is not None and counts.drafts else 0.0
+
+
+def engine_config(
+    threshold: float | str | None = None, drafter_k: int | None = None, stats_file: str | None = None
+) -> dict:
     """vLLM's `additional_config` (engine argument; `--additional-config` of `vllm serve`) that runs the hybrid
     in an engine whose speculative_config is a trained EAGLE-3 / P-EAGLE drafter: suffix decoding's draft
-    where its score reaches `threshold` (None: default_threshold of the engine's K); `drafter_k` cuts the drafter's drafts to its
+    where its score reaches `threshold` (None: default_threshold of the engine's K; ADAPTIVE: the drafter's
+    mean accepted tokens per draft so far, drafter_expectation); `drafter_k` cuts the drafter's drafts to its
     first tokens (an engine K above the drafter's lets suffix decoding's drafts run longer); `stats_file`
     receives the counts per source as JSON (read_stats), for a process other than the engine's."""
     options = {"threshold": threshold, "drafter_k": drafter_k, "stats_file": stats_file}
@@ -198,7 +213,8 @@ def start_hybrid(runner, vllm_version: str) -> SuffixDrafts | None:
     threshold = options.get("threshold", default_threshold(spec.num_speculative_tokens))
     stats = StatsFile(options["stats_file"]) if options.get("stats_file") else None
     log.info("hybrid decoder: suffix decoding's draft where its score reaches %s, else the drafter's", threshold)
-    return SuffixDrafts(spec, runner.max_model_len, float(threshold), options.get("drafter_k"), stats)
+    fixed = None if threshold == ADAPTIVE else float(threshold)
+    return SuffixDrafts(spec, runner.max_model_len, fixed, options.get("drafter_k"), stats)
 
 
 class StatsFile:
@@ -238,7 +254,7 @@ class SuffixDrafts:
     """Suffix decoding beside the drafter in one engine: one arctic-inference suffix cache (each request's
     prompt and response, and the responses of finished requests), fed the tokens each step sampled."""
 
-    def __init__(self, spec, max_model_len: int, threshold: float, drafter_k: int | None = None, stats=None):
+    def __init__(self, spec, max_model_len: int, threshold: float | None, drafter_k: int | None = None, stats=None):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.spec, self.max_model_len, self.threshold = spec, max_model_len, threshold
@@ -265,7 +281,8 @@ class SuffixDrafts:
                 if self.stats is not None:
                     self.stats.touch()
             suffix.append(self._speculate(batch, i, req_id, new[i]) if new[i] else ([], 0.0))
-        drafts, sources = choose(own, suffix, self.threshold)
+        threshold = self.threshold if self.threshold is not None else drafter_expectation(STATS)  # None: ADAPTIVE
+        drafts, sources = choose(own, suffix, threshold)
         for i, req_id in enumerate(batch.req_ids):
             if new[i] and drafts[i]:
                 self.drafted[req_id] = (sources[i], len(drafts[i]))

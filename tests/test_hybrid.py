@@ -12,6 +12,7 @@ from peagle_ray.hybrid import (
     StatsFile,
     choose,
     count_step,
+    drafter_expectation,
     engine_config,
     hybrid_proposer,
     read_stats,
@@ -43,6 +44,20 @@ def test_counts_per_source_add_up_to_what_vllm_counts_over_all_drafts():
     assert overall == SpecStats(5, 12, 8, [4, 2, 1, 1])
     with pytest.raises(ValueError, match=r"accepted tokens must be 0..2 \(the draft's length\); got 3"):
         count_step(stats, ["drafter"], [2], [3])
+
+
+def test_the_adaptive_threshold_is_what_the_drafter_delivers_per_draft():
+    assert drafter_expectation({}) == 0.0  # before its first draft: any suffix draft with a score is taken
+    stats: dict[str, SpecStats] = {}
+    count_step(stats, ["drafter", "drafter", "suffix"], [4, 4, 4], [1, 0, 4])
+    assert drafter_expectation(stats) == pytest.approx(0.5)  # 1 token accepted over 2 drafts
+    drafts, sources = choose([[5, 6], [7, 8]], [([1, 2], 0.6), ([3], 0.4)], drafter_expectation(stats))
+    assert sources == ["suffix", "drafter"] and drafts == [[1, 2], [7, 8]]
+    from peagle_ray.config import ConfigError, build_config
+
+    assert build_config({"serving": {"hybrid_threshold": "drafter"}}).serving.hybrid_threshold == "drafter"
+    with pytest.raises(ConfigError, match="hybrid_threshold"):
+        build_config({"serving": {"hybrid_threshold": 0}})
 
 
 class _Runner:

@@ -83,7 +83,7 @@ def hybrid(
     name: str,
     export_dir: Path,
     k: int,
-    threshold: float | None = None,
+    threshold: float | str | None = None,
     warmup=None,
     drafter_k: int | None = None,
     required: bool = False,

@@ -31,7 +31,7 @@ class ServedDecoder:
     k: int  # tokens drafted per step (0 for the target alone)
     drafter: DrafterInfo | None = None  # the export this endpoint was deployed with (None: no drafter at all)
     version: str | None = None  # its registered version (e.g. peagle-drafter/3)
-    threshold: float | None = None  # the hybrid's suffix score threshold (None: hybrid.default_threshold)
+    threshold: float | str | None = None  # suffix score threshold (None: K / 2; "drafter": adaptive; hybrid.py)
     reason: str = ""  # why this decoder (evaluation's verdict, or "asked for")
 
     def speculative_config(self, max_batch_size: int | None = None) -> dict | None:
@@ -96,7 +96,7 @@ def served_decoder(
     drafter: DrafterInfo | None,
     k: int | None = None,
     asked: str = "auto",
-    threshold: float | None = None,
+    threshold: float | str | None = None,
     version: str | None = None,
 ) -> ServedDecoder:
     """The decoder to serve (module docstring): `asked` is serving.decoder, `k` serving.num_speculative_tokens

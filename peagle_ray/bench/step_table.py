@@ -4,8 +4,8 @@ vocabulary of 32k, K = 8, bfloat16 autocast), ours with compiled flex attention 
 reference trainer's (speculators 0.9) where it is installed, at N = 2048, 8192 and 32768.
 
 Every (shape, trainer, attention) runs in a process of its own over all N, so a compile or an out-of-memory
-at one N costs a row, not the table. Each row: tokens/s (N over the second step's seconds; the first
-compiles and warms up), peak memory (torch.cuda.max_memory_allocated on CUDA; the process's peak RSS on CPU,
+at one N costs a row, not the table. Each row: tokens/s (N over the median of 3 steps' seconds, after 2
+untimed ones that compile and warm up), peak memory (torch.cuda.max_memory_allocated on CUDA; the process's peak RSS on CPU,
 where the `tiny` shape rehearses the script), and our dry run's estimate (train/plan.py) beside ours.
 """
 
@@ -58,6 +58,24 @@ def _peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+WARMUP_STEPS, TIMED_STEPS = 2, 3
+"""Steps of each row: WARMUP_STEPS untimed (compiled flex attention compiles for the first shape, then once
+more for dynamic shapes, as COD samples a new element count each step), then the median of TIMED_STEPS."""
+
+
+def _median_step(step, device: torch.device) -> tuple[float, Any]:
+    """(median seconds of TIMED_STEPS calls of `step` after WARMUP_STEPS untimed ones, the last call's result)."""
+    seconds, result = [], None
+    for i in range(WARMUP_STEPS + TIMED_STEPS):
+        start = time.perf_counter()
+        result = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= WARMUP_STEPS:
+            seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[len(seconds) // 2], result
+
+
 def _random_sequence(arch: DrafterArch, n: int):
     """n positions of random inputs on the host (sequence_backward moves them), every position supervised."""
     from peagle_ray.train.elements import TrainSequence
@@ -102,16 +120,16 @@ def ours(shape: str, seq_lens: list[int], depths: int, draft_vocab_size: int, la
             seq = _random_sequence(arch, n)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            for _ in range(2):
+
+            def step(seq=seq):
                 elements = sample_elements(seq, cfg.drafter, g)
                 optimizer.zero_grad(set_to_none=True)
-                start = time.perf_counter()
                 stats = sequence_backward(drafter, teacher, seq, elements, segment_length, None, bf16=bf16,
                                           use_flex=attention == "flex")  # fmt: skip
                 optimizer.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
+                return stats
+
+            seconds, stats = _median_step(step, device)
             row.update(
                 tokens_per_s=round(n / seconds, 1),
                 peak_gib=round(_peak_bytes(device) / 2**30, 2),
@@ -160,16 +178,15 @@ def reference(shape: str, seq_lens: list[int], depths: int, draft_vocab_size: in
                                                         host.supervised, host.doc_ids)))  # fmt: skip
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            for _ in range(2):
+
+            def step(seq=seq):
                 optimizer.zero_grad(set_to_none=True)
-                start = time.perf_counter()
                 with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                     loss, _ = reference_loss(model, seq, cfg, "fused" if cuda else "eager")
                 loss.backward()
                 optimizer.step()
-                if cuda:
-                    torch.cuda.synchronize()
-                seconds = time.perf_counter() - start
+
+            seconds, _ = _median_step(step, device)
             row.update(tokens_per_s=round(n / seconds, 1), peak_gib=round(_peak_bytes(device) / 2**30, 2))
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"

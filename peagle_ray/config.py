@@ -30,6 +30,10 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "peagle-ray"
 
 
+Loss = Literal["kl", "argmax_ce"]
+"""training.loss: the per-element training loss (train/loss.py)."""
+
+
 class ConfigError(ValueError):
     """A configuration value broke a rule; the message names the field, the rule and the value."""
 
@@ -228,15 +232,43 @@ class DrafterConfig(_Section):
     the median channel's in layer 15), where a few channels dominate fc's input; on SmolLM2 it measured worse
     (docs/benchmarks.md, the normalized-features ablation), so it is off by default."""
 
+    k_train: int | None = Field(default=None, ge=1, le=16)
+    """P-EAGLE: depths trained (K_train), at least num_depths, the K served and validated. None trains
+    num_depths. The paper trains K = 8 to serve K = 5 (AL 2.41 -> 2.51 against training at 5)."""
+
+    init_from_target: int | None = None
+    """Start the drafter from the target's own weights: decoder layer i from target layer init_from_target + i
+    (negative counts from the top: -1 is the last; attention, MLP and norms), fc passing the top aux feature
+    through unchanged, the final norm from the target's (drafter/build.py init_from_target). None starts them
+    at random (init_std). The aux layers' defaults end at the last layer's input, so -1 makes the untrained
+    depth-0 output the target's own last layer at the anchor."""
+
+    init_embed_half: Literal["random", "zero"] = "random"
+    """With init_from_target: layer 0's q/k/v weights on the token-embedding half of its input, random
+    (init_std) or zero (the untrained layer then ignores the token)."""
+
     @property
     def trained_depths(self) -> int:
-        """Depths a training sequence samples: ttt_steps for EAGLE-3 when set, else num_depths."""
-        return self.ttt_steps if self.algorithm == "eagle3" and self.ttt_steps else self.num_depths
+        """Depths a training sequence samples: ttt_steps for EAGLE-3 when set, k_train for P-EAGLE when set,
+        else num_depths."""
+        if self.algorithm == "eagle3":
+            return self.ttt_steps or self.num_depths
+        return self.k_train or self.num_depths
 
     @model_validator(mode="after")
     def _ttt_only_for_eagle3(self) -> DrafterConfig:
         if self.ttt_steps is not None and self.algorithm != "eagle3":
             raise ValueError(f"drafter.ttt_steps applies only to algorithm 'eagle3'; got algorithm {self.algorithm!r}")
+        if self.k_train is not None and self.algorithm != "peagle":
+            raise ValueError(
+                f"drafter.k_train applies only to algorithm 'peagle' (eagle3 has ttt_steps); got algorithm "
+                f"{self.algorithm!r}"
+            )
+        if self.k_train is not None and self.k_train < self.num_depths:
+            raise ValueError(
+                f"drafter.k_train must be at least drafter.num_depths ({self.num_depths}), the K served; got "
+                f"{self.k_train}"
+            )
         return self
 
 
@@ -292,6 +324,12 @@ class TrainingConfig(_Section):
 
     depth_weights: list[float] | None = None
     """Per-depth loss weights (length K). None weighs all depths equally."""
+
+    loss: Loss = "kl"
+    """The per-element loss: "kl", forward KL(target || draft) over the draft vocabulary (P-EAGLE's and the
+    reference trainer's), or "argmax_ce", the cross-entropy of the target's argmax token, which is what greedy
+    verification accepts (an acceptance-aligned loss: it spends no capacity on the rest of the distribution).
+    Logged loss and val/kl figures are that loss."""
 
     feature_noise: float = Field(default=0.0, ge=0.0)
     """EAGLE-style noise on the target's aux hidden states while training: uniform in +-feature_noise x the

@@ -24,6 +24,8 @@ from tests.conftest import REPO
             r"training\.depth_weights must have one weight per trained depth \(4\); got 2 weights",
         ),
         ("drafter.ttt_steps=3", r"^drafter\.ttt_steps applies only to algorithm 'eagle3'; got algorithm 'peagle'"),
+        ("drafter.k_train=3", r"^drafter\.k_train must be at least drafter\.num_depths \(4\), the K served; got 3"),
+        ("training.loss=mse", r"training\.loss: Input should be 'kl' or 'argmax_ce'; got 'mse'"),
         ("tracking.port=70000", r"tracking\.port: Input should be less than 65536; got 70000"),
         ("serving.max_tokens_limit=0", r"serving\.max_tokens_limit: Input should be greater than 0; got 0"),
         ("eval.k_values=[0,2]", r"eval\.k_values: must be a non-empty list of K >= 1; got \[0, 2\]"),
@@ -61,6 +63,13 @@ def test_eagle3_trains_ttt_steps_depths():
     )
     assert cfg.drafter.trained_depths == 7
     assert build_config({"drafter": {"num_depths": 5}}).drafter.trained_depths == 5
+
+
+def test_peagle_trains_k_train_depths_and_serves_num_depths():
+    cfg = build_config({"drafter": {"num_depths": 4, "k_train": 8}, "training": {"depth_weights": [1] * 8}})
+    assert cfg.drafter.trained_depths == 8 and cfg.drafter.num_depths == 4
+    with pytest.raises(ConfigError, match=r"drafter\.k_train applies only to algorithm 'peagle'"):
+        build_config({"drafter": {"algorithm": "eagle3", "k_train": 8}})
 
 
 def test_malformed_override_is_rejected():

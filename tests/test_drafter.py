@@ -1,10 +1,13 @@
 """Drafter forward, chunked KL loss, partitioned == unpartitioned gradients, drafting with a KV cache."""
 
+import math
+
 import pytest
 import torch
 
 from peagle_ray.drafter.elements import Elements, attention_mask
 from peagle_ray.drafter.model import DraftCache, DrafterArch
+from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.train.elements import cod_sample
 from peagle_ray.train.loss import kl_loss, kl_loss_reference
 from peagle_ray.train.step import element_weights, mask_function, sequence_backward
@@ -48,7 +51,8 @@ def test_element_weights_average_each_depth_then_the_depths():
     assert element_weights(elements, seq, 2, [3.0, 1.0]).tolist() == pytest.approx([1 / 4, 1 / 4, 1 / 4, 1 / 4])
 
 
-def test_chunked_kl_equals_the_plain_loss_in_value_and_gradient():
+@pytest.mark.parametrize("loss_kind", ["kl", "argmax_ce"])
+def test_chunked_kl_equals_the_plain_loss_in_value_and_gradient(loss_kind):
     g = torch.Generator().manual_seed(0)
     _, teacher = tiny_drafter(tiny_arch())
     x = torch.randn(11, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
@@ -56,20 +60,38 @@ def test_chunked_kl_equals_the_plain_loss_in_value_and_gradient():
     t = torch.randn(6, HIDDEN, generator=g, dtype=torch.float64)
     index = torch.tensor([3, 0, 5, 3, 1, 3, 0, 4, 4, 5, 3])  # positions shared by several elements, unsorted
     weights = torch.rand(11, generator=g, dtype=torch.float64)
-    loss, kl, correct = kl_loss(x, w, t, index, teacher, weights, chunk=4)
+    loss, kl, correct = kl_loss(x, w, t, index, teacher, weights, chunk=4, loss=loss_kind)
     loss.backward()
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    reference = kl_loss_reference(x, w, t, index, teacher, weights)
+    reference = kl_loss_reference(x, w, t, index, teacher, weights, loss_kind)
     reference.backward()
     torch.testing.assert_close(loss, reference)
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
     assert (kl >= 0).all() and correct.dtype == torch.bool
     plain_kl = [
-        float(kl_loss_reference(x[i : i + 1], w, t, index[i : i + 1], teacher, torch.ones(1))) for i in range(11)
+        float(kl_loss_reference(x[i : i + 1], w, t, index[i : i + 1], teacher, torch.ones(1), loss_kind))
+        for i in range(11)
     ]
     torch.testing.assert_close(kl, torch.tensor(plain_kl, dtype=torch.float64))  # each element its own row
+
+
+def test_argmax_ce_is_the_cross_entropy_of_the_targets_greedy_token():
+    """training.loss = argmax_ce, literally: draft logits [0, ln 3] (q = [1/4, 3/4]), the target's argmax is
+    token 0, so the loss is -ln(1/4) whatever the rest of the target's distribution; KL(p || q) is not."""
+    teacher = Teacher(torch.ones(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64), 1e-12)
+    w = torch.eye(2, dtype=torch.float64)
+    x = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64)
+    for target in ([1.0, 0.5], [1.0, 0.9]):  # normed: argmax 0 both times, different distributions
+        t = torch.tensor([target], dtype=torch.float64)
+        ce, _, correct = kl_loss(
+            x, w, t, torch.tensor([0]), teacher, torch.ones(1, dtype=torch.float64), loss="argmax_ce"
+        )
+        assert float(ce) == pytest.approx(math.log(4.0)) and not correct.item()
+    kl = [float(kl_loss(x, w, torch.tensor([t], dtype=torch.float64), torch.tensor([0]), teacher,
+                        torch.ones(1, dtype=torch.float64))[0]) for t in ([1.0, 0.5], [1.0, 0.9])]  # fmt: skip
+    assert kl[0] != pytest.approx(kl[1])
 
 
 def test_a_frozen_head_gets_no_gradient_and_the_same_hidden_gradient():

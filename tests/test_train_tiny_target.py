@@ -5,13 +5,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peagle_ray.capture.reference import hf_hidden_states
-from peagle_ray.config import build_config
-from peagle_ray.drafter.build import drafter_for_target, target_head
+from peagle_ray.config import ConfigError, build_config
+from peagle_ray.drafter.build import drafter_for_target, target_head, target_layers_for
+from peagle_ray.drafter.elements import Elements
 from peagle_ray.drafter.vocab import count_tokens
 from peagle_ray.target import read_target_info
 from peagle_ray.tiny_target import TinyTargetSpec, build_tiny_target
-from peagle_ray.train.elements import TrainSequence
-from peagle_ray.train.step import train_drafter
+from peagle_ray.train.elements import TrainSequence, cod_sample
+from peagle_ray.train.step import mask_function, sequence_backward, train_drafter
 
 CONVERSATIONS = [
     ("How do I read a file?", "Use open(path) and call read() on it; the with statement closes it for you."),
@@ -84,6 +85,47 @@ def test_drafter_takes_embeddings_and_head_rows_from_the_target(tiny_target, rec
     assert not torch.equal(lm_head, embed)  # the tiny target is untied
     assert mask.source == "tokenizer mask token '<|MASK|>'"
     assert drafter.arch.draft_vocab_size == 64 and int(drafter.t2d.sum()) == 64
+
+
+def test_a_drafter_started_from_the_target_computes_its_last_layer(tiny_target, records):
+    """drafter.init_from_target = -1 with the embedding half zero: layer 0 is the target's last layer fed the
+    top aux feature (that layer's own input), so the untrained drafter's depth-0 logits are the target's at
+    every anchor. With the embedding half random they are not, but the direction holds: the untrained
+    drafter's depth-0 accuracy beats a random drafter's on the same elements."""
+    _, drafter, teacher, _ = make(tiny_target, records, init_from_target=-1, init_embed_half="zero")
+    ids, _, aux, last = records[0]
+    n = len(ids)
+    elements = Elements(torch.arange(n), torch.zeros(n, dtype=torch.long))
+    out = drafter.forward_elements(ids, aux, elements, mask_function(elements, torch.zeros(n, dtype=torch.long), False))
+    torch.testing.assert_close(
+        drafter.logits(out), teacher.normed(last) @ teacher.head.T, atol=1e-4, rtol=1e-4
+    )  # fmt: skip
+    sequences = [TrainSequence.from_record(*r) for r in records]
+    accuracy = {}
+    for name, init in (("random", None), ("target", -1)):
+        cfg, model, teacher, _ = make(tiny_target, records, init_from_target=init)
+        stats = [
+            sequence_backward(
+                model,
+                teacher,
+                seq,
+                cod_sample(seq.supervised, seq.doc_ids, 3, 0.7, 0.2, torch.Generator().manual_seed(0)),
+                10**6,
+                None,
+                backward=False,
+            )  # fmt: skip
+            for seq in sequences
+        ]
+        accuracy[name] = sum(s.depth_correct[0] for s in stats) / sum(s.depth_count[0] for s in stats)
+    assert accuracy["target"] > accuracy["random"], accuracy
+
+
+def test_init_from_target_names_the_layers_it_would_need():
+    assert target_layers_for(30, -1, 1) == [29] and target_layers_for(30, -2, 2) == [28, 29]
+    assert target_layers_for(30, 15, 1) == [15]
+    with pytest.raises(ConfigError, match=r"drafter\.init_from_target = 29: drafter layers 0\.\.1 would start "
+                       r"from target layers \[29, 30\], but the target has layers 0\.\.29"):  # fmt: skip
+        target_layers_for(30, 29, 2)
 
 
 def test_tied_target_head_is_its_embedding(tmp_path):

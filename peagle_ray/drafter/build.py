@@ -9,6 +9,7 @@ seeded generator.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -106,6 +107,76 @@ def build_drafter(
     return drafter, teacher
 
 
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+"""A Llama/Qwen-style decoder layer's tensors the drafter's layers share (names after `model.layers.j.`)."""
+
+
+def target_layers_for(num_target_layers: int, first: int, num_layers: int) -> list[int]:
+    """The target layers drafter layers 0..num_layers-1 start from (drafter.init_from_target = `first`,
+    negative counting from the top). e.g. 30 target layers, first -1, 1 layer -> [29]; first -2, 2 -> [28, 29]."""
+    start = first + num_target_layers if first < 0 else first
+    layers = list(range(start, start + num_layers))
+    if start < 0 or layers[-1] >= num_target_layers:
+        raise ConfigError(
+            f"drafter.init_from_target = {first}: drafter layers 0..{num_layers - 1} would start from target layers "
+            f"{layers}, but the target has layers 0..{num_target_layers - 1}"
+        )
+    return layers
+
+
+@torch.no_grad()
+def init_from_target(
+    drafter: Drafter, target_dir: Path, first: int, embed_half: Literal["random", "zero"] = "random"
+) -> tuple[list[int], list[str]]:
+    """Start `drafter` from what the target knows (drafter.init_from_target): decoder layer i from target layer
+    first + i (attention, MLP, norms), fc passing the top aux feature through unchanged (identity on the last
+    aux block, zero elsewhere), the final norm from the target's; the head rows are the target's already.
+
+    Layer 0 reads [embeds; hidden] (2H): the target layer's q/k/v go to the hidden half and its input norm to
+    hidden_norm, so with the top aux layer as the copied layer's own input the untrained drafter's depth-0
+    output is the target layer's output at the anchor; the embedding half stays random (init_std) or zero.
+    A tensor the target lacks (a mixture-of-experts MLP) stays random. Returns (target layers, missing names).
+    """
+    arch = drafter.arch
+    layers = target_layers_for(text_config(target_dir)["num_hidden_layers"], first, arch.num_layers)
+    names = [f"model.layers.{j}.{t}" for j in layers for t in LAYER_TENSORS] + ["model.norm.weight"]
+    found = load_target_tensors(target_dir, names)
+    h = arch.hidden_size
+    for i, j in enumerate(layers):
+        own = drafter.layers[i]
+        for t in LAYER_TENSORS:
+            name = f"model.layers.{j}.{t}"
+            if name not in found:
+                continue
+            source = found[name].float()
+            if i == 0 and t.startswith("self_attn.") and t[10] in "qkv":  # layer 0's 2H input: the hidden half
+                weight = own.get_parameter(t)
+                weight[:, h:] = source
+                if embed_half == "zero":
+                    weight[:, :h] = 0.0
+            elif i == 0 and t == "input_layernorm.weight":
+                own.hidden_norm.weight.copy_(source)
+                own.input_layernorm.weight.copy_(source)
+            else:
+                own.get_parameter(t).copy_(source)
+    if "model.norm.weight" in found:
+        drafter.norm.weight.copy_(found["model.norm.weight"].float())
+    fc = drafter.fc.weight  # (H, num_aux * H): the last block is the top aux layer
+    fc.zero_()
+    fc[:, -h:] = torch.eye(h) / drafter.feature_scale[-h:]
+    return layers, [name for name in names if name not in found]
+
+
 def drafter_for_target(
     target_dir: Path,
     drafter_cfg: DrafterConfig,
@@ -117,7 +188,7 @@ def drafter_for_target(
     feature_scale: torch.Tensor | None = None,
 ) -> tuple[Drafter, Teacher, MaskToken | None]:
     """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights
-    (then another drafter's, when `init_from` names one: training.init_from), then `feature_scale` on fc's
+    (the target's layers where drafter.init_from_target says so; then another drafter's, when `init_from` names one: training.init_from), then `feature_scale` on fc's
     input (drafter.normalize_features; the function is kept, see Drafter.set_feature_scale).
 
     `tokenizer` defaults to the target's; when the mask token has to be added it is added to this object.
@@ -134,6 +205,8 @@ def drafter_for_target(
     d2t, t2d = inherited or draft_vocabulary(counts, drafter_cfg.draft_vocab_size)
     arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
     drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator, drafter_cfg.init_std)
+    if drafter_cfg.init_from_target is not None:
+        init_from_target(drafter, target_dir, drafter_cfg.init_from_target, drafter_cfg.init_embed_half)
     if init_from is not None:
         load_initial_weights(drafter, init_from)
     if feature_scale is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from peagle_ray.config import Loss
 from peagle_ray.drafter.teacher import Teacher
 
 LOSS_CHUNK = 1024
@@ -31,10 +32,11 @@ class _ChunkedKL(torch.autograd.Function):
     other than z and q is ever made: no gathered p, no log q, no (q - p) (they were ~40% of the step)."""
 
     @staticmethod
-    def forward(ctx, x, weight, teacher_x, teacher_index, teacher_weight, element_weights, chunk: int):
+    def forward(ctx, x, weight, teacher_x, teacher_index, teacher_weight, element_weights, chunk: int, hard: bool):
         """x (E, H) normed draft hidden, weight (DV, H), teacher_x (P, H) normed target hidden, teacher_index
         (E,) the row of teacher_x each element is supervised by; returns (weighted KL sum, per-element KL,
-        correct)."""
+        correct). `hard`: p is one-hot on the target's argmax (its entropy 0), so the KL is the cross-entropy
+        of the target's greedy token."""
         acc = torch.promote_types(x.dtype, torch.float32)  # softmax and KL in at least float32
         device = x.device.type
         # GEMM operands cast once per call (under autocast a frozen head and the teacher head, which are no
@@ -53,8 +55,12 @@ class _ChunkedKL(torch.autograd.Function):
                 positions, of_row = torch.unique_consecutive(teacher_index[rows], return_inverse=True)
                 # target side, once per distinct position
                 log_p = torch.log_softmax(teacher_x[positions].to(mm) @ teacher_w_mm.T, -1, dtype=acc)  # (U, DV)
-                p = log_p.exp()
-                neg_entropy = (p * log_p).sum(-1)  # (U,)
+                if hard:
+                    p = torch.nn.functional.one_hot(log_p.argmax(-1), log_p.shape[-1]).to(acc)
+                    neg_entropy = torch.zeros(len(positions), dtype=acc, device=x.device)
+                else:
+                    p = log_p.exp()
+                    neg_entropy = (p * log_p).sum(-1)  # (U,)
                 p_w = (p.to(mm) @ w_mm).to(acc)  # (U, H): p W
                 # draft side
                 xr = x_mm[rows]
@@ -81,7 +87,8 @@ class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_kl, _grad_correct):
         grad_x, grad_w = ctx.saved_tensors
-        return (grad_x * grad_total, None if grad_w is None else grad_w * grad_total, None, None, None, None, None)
+        grad_w = None if grad_w is None else grad_w * grad_total
+        return (grad_x * grad_total, grad_w, None, None, None, None, None, None)
 
 
 def kl_loss(
@@ -92,8 +99,10 @@ def kl_loss(
     teacher: Teacher,
     element_weights: torch.Tensor,
     chunk: int = LOSS_CHUNK,
+    loss: Loss = "kl",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted sum of per-element KL(target || draft), the per-element KL (detached) and argmax agreement.
+    """Weighted sum of per-element KL(target || draft), the per-element KL (detached) and argmax agreement;
+    with loss "argmax_ce" the cross-entropy of the target's argmax token instead of the KL (training.loss).
 
     draft_normed (E, H): the drafter's final-norm output; draft_head (DV, H): its lm_head weight;
     teacher_hidden (P, H): the target's pre-norm last hidden state per position; teacher_index (E,): the
@@ -102,11 +111,16 @@ def kl_loss(
     with torch.no_grad():
         used, index = torch.unique(teacher_index, return_inverse=True)  # normalise only the rows in use
         teacher_x = teacher.normed(teacher_hidden[used])
-    return _ChunkedKL.apply(draft_normed, draft_head, teacher_x, index, teacher.head, element_weights, chunk)
+    hard = loss == "argmax_ce"
+    return _ChunkedKL.apply(draft_normed, draft_head, teacher_x, index, teacher.head, element_weights, chunk, hard)
 
 
-def kl_loss_reference(draft_normed, draft_head, teacher_hidden, teacher_index, teacher: Teacher, element_weights):
+def kl_loss_reference(
+    draft_normed, draft_head, teacher_hidden, teacher_index, teacher: Teacher, element_weights, loss: Loss = "kl"
+):
     """The same loss written plainly (all E x DV at once, a target row per element), to test against."""
     log_q = torch.log_softmax(draft_normed @ draft_head.T, -1)
     log_p = torch.log_softmax(teacher.normed(teacher_hidden[teacher_index]) @ teacher.head.T, -1)
+    if loss == "argmax_ce":
+        return (-log_q.gather(1, log_p.argmax(-1, keepdim=True)).squeeze(1) * element_weights).sum()
     return ((log_p.exp() * (log_p - log_q)).sum(-1) * element_weights).sum()

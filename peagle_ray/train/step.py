@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from peagle_ray.config import DrafterConfig, TrainingConfig
+from peagle_ray.config import DrafterConfig, Loss, TrainingConfig
 from peagle_ray.drafter.elements import Elements, attention_mask, flex_mask_mod
 from peagle_ray.drafter.model import Drafter
 from peagle_ray.drafter.teacher import Teacher
@@ -96,15 +96,17 @@ class SegmentLoss(torch.nn.Module):
     DDP (ray.train.torch.prepare_model), so that DDP sees every parameter the loss uses and averages the
     gradients across workers in its backward hooks."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, loss: Loss = "kl"):
         super().__init__()
         self.drafter = drafter
+        self.loss = loss
 
     def forward(self, teacher: Teacher, tokens, hidden, elements: Elements, mask_fn, context: int, rows, teacher_hidden,
                 positions, weights, loss_chunk: int):  # fmt: skip
         out = self.drafter.forward_elements(tokens, hidden, elements, mask_fn, context)
         norm, head = self.drafter.norm, self.drafter.lm_head.weight
-        return kl_loss(norm(out[rows]), head, teacher_hidden, positions, teacher, weights.to(out.dtype), loss_chunk)
+        return kl_loss(norm(out[rows]), head, teacher_hidden, positions, teacher, weights.to(out.dtype), loss_chunk,
+                       self.loss)  # fmt: skip
 
 
 def gradient_sync(loss_module: torch.nn.Module, on: bool):
@@ -129,11 +131,12 @@ def sequence_backward(
     use_flex: bool | None = None,
     loss_module: torch.nn.Module | None = None,
     sync: bool = True,
+    loss_kind: Loss = "kl",
 ) -> StepStats:
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
     With backward=False it only measures (validation): no graph is built.
 
-    `loss_module` runs each segment (default: SegmentLoss(drafter)); the job passes it wrapped in DDP, and
+    `loss_module` runs each segment (default: SegmentLoss(drafter, loss_kind)); the job passes it wrapped in DDP, and
     then only the sequence's last backward averages the gradients across workers, and only when `sync` (the
     step's last sequence). A worker whose last sequence trains nothing still joins that average, with a
     zero-weight forward of its first segment (DDP's backward is a collective: every worker must call it).
@@ -163,7 +166,7 @@ def sequence_backward(
         elements=len(elements),
         positions=seq.num_positions,
     )
-    loss_module = SegmentLoss(drafter) if loss_module is None else loss_module
+    loss_module = SegmentLoss(drafter, loss_kind) if loss_module is None else loss_module
     work = [(s, i, trained[i]) for s in segments for i in [index_of[key(s.own)]] if trained[i].any()]
     joins_only = backward and sync and not work and hasattr(loss_module, "no_sync")
     if joins_only:
@@ -246,6 +249,7 @@ def sampled_sequence_backward(
         bf16=cfg.precision == "bfloat16",
         loss_module=loss_module,
         sync=sync,
+        loss_kind=cfg.loss,
     )
 
 

@@ -320,7 +320,7 @@ def build_rank(plan: WorkerPlan) -> Rank:
     # >= 1 element leaves P-EAGLE's mask parameter out; no buffer changes in training (synced once, at start).
     ddp = {"find_unused_parameters": True, "forward_sync_buffers": False}
     loss_module = ray.train.torch.prepare_model(
-        SegmentLoss(drafter), move_to_device=False, parallel_strategy_kwargs=ddp
+        SegmentLoss(drafter, cfg.training.loss), move_to_device=False, parallel_strategy_kwargs=ddp
     )
     return Rank(cfg, rank, world, device, drafter, teacher, optimizer, scheduler, generator, state, loss_module)
 

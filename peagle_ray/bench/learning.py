@@ -9,8 +9,8 @@ ablation - one run per variant (dotted config overrides on top of the config), s
     {"steps", "baseline": NAME, "variants": {NAME: {"overrides", "val_acceptance_length", "val_acceptance_per_position",
      "train_tokens", "train_seconds", "tokens_per_s", "trainable_parameters", "acc_by_depth"}}}
 
-learning-curve - per algorithm one run to the largest budget (its cosine schedule ends there), measured at each
-budget: validation AL (offline replay) and, for eval.suite other than "validation", the suite's AL from stock
+learning-curve - per algorithm (or per recipe, `--variant NAME OVERRIDE...`) one run to the largest budget (its
+cosine schedule ends there), measured at each budget: validation AL (offline replay) and, for eval.suite other than "validation", the suite's AL from stock
 vLLM serving the checkpoint exported at that budget, against training tokens (base positions):
     {"budgets", "suite", "curves": {algorithm: [{"steps", "train_tokens", "val_acceptance_length", "suite_acceptance_length",
      "suite_acceptance_per_position", ...}, ...]}, "plot"}
@@ -205,9 +205,21 @@ def learning_curve(
     ),
     work_dir: Path | None = None,
     progress: Progress = print,
+    variants: Annotated[
+        dict[str, list[str]] | list[list[str]] | None,
+        Opt(
+            "A recipe: its name, then config overrides (repeatable; replaces --algorithms), e.g. --variant today "
+            "--variant target drafter.init_from_target=-1",
+            variants=True,
+        ),
+    ] = None,
 ) -> dict:
-    """Per algorithm one run to max(budgets), measured at each budget (validation, and eval.suite via vLLM);
-    the plot and exports go to work_dir (default <training.storage_path>/bench/learning-curve)."""
+    """Per algorithm (or per recipe in `variants`, {name: ["section.field=value", ...]}) one run to
+    max(budgets), measured at each budget (validation, and eval.suite via vLLM); the plot and exports go to
+    work_dir (default <training.storage_path>/bench/learning-curve)."""
+    if variants and not isinstance(variants, dict):
+        variants = {name: overrides for name, *overrides in variants}
+    recipes = variants or {algorithm: [f"drafter.algorithm={algorithm}"] for algorithm in algorithms}
     budgets = sorted(set(budgets))
     work_dir = work_dir or bench_dir(cfg, "learning-curve")
     train, validation = split_records(cfg, cfg.training.validation_records)
@@ -218,10 +230,12 @@ def learning_curve(
         "validation_records": len(validation),
         "curves": {},
     }
-    for algorithm in algorithms:
-        run_cfg = with_values(cfg, {"drafter.algorithm": algorithm, "training.max_steps": max(budgets)})
-        measure = suite_measure(run_cfg, work_dir / "exports") if cfg.eval.suite != "validation" else None
-        result["curves"][algorithm] = train_and_measure(run_cfg, train, validation, budgets, measure, progress)
+    if variants:
+        result["recipes"] = recipes
+    for name, overrides in recipes.items():
+        run_cfg = with_values(with_overrides(cfg, overrides), {"training.max_steps": max(budgets)})
+        measure = suite_measure(run_cfg, work_dir / "exports" / name) if cfg.eval.suite != "validation" else None
+        result["curves"][name] = train_and_measure(run_cfg, train, validation, budgets, measure, progress)
     from peagle_ray.plots import plot_curve
 
     result["plot"] = str(plot_curve(result, work_dir / "learning_curve.png"))

@@ -145,7 +145,9 @@ def init_from_target(
     Layer 0 reads [embeds; hidden] (2H): the target layer's q/k/v go to the hidden half and its input norm to
     hidden_norm, so with the top aux layer as the copied layer's own input the untrained drafter's depth-0
     output is the target layer's output at the anchor; the embedding half stays random (init_std) or zero.
-    A tensor the target lacks (a mixture-of-experts MLP) stays random. Returns (target layers, missing names).
+    A tensor the target lacks (GPT-OSS's mixture-of-experts MLP) stays random; what the drafter's layer has no
+    place for (Qwen3's q/k norms, GPT-OSS's attention biases and sinks) is left out, so there the copy
+    approximates the target's layer. Returns (target layers, missing names).
     """
     arch = drafter.arch
     layers = target_layers_for(text_config(target_dir)["num_hidden_layers"], first, arch.num_layers)

@@ -91,12 +91,14 @@ def test_the_learning_curve_measures_each_budget_in_vllm_and_logs_a_finished_run
 
 def test_the_learning_curve_compares_recipes_side_by_side(captured_data, tiny_target):
     """--variant: one curve per recipe on the same data and budgets (issue 38's today against from-the-target),
-    the from-the-target recipe trains more depths than it serves and validates at the served K."""
+    the from-the-target recipe trains more depths than it serves and validates at the served K; budget 0 is
+    the untrained drafter."""
     cfg = with_values(config(captured_data, tiny_target), {"eval.suite": "validation"})
     recipes = {"today": [], "target": ["drafter.init_from_target=-1", f"drafter.k_train={K + 1}"]}
-    curve = learning.learning_curve(cfg, [1, 2], variants=recipes, work_dir=captured_data / "recipes",
+    curve = learning.learning_curve(cfg, [0, 1, 2], variants=recipes, work_dir=captured_data / "recipes",
                                     progress=lambda _line: None)  # fmt: skip
     assert list(curve["curves"]) == ["today", "target"] and curve["recipes"] == recipes
     today, target = curve["curves"]["today"], curve["curves"]["target"]
-    assert [r["steps"] for r in target] == [1, 2] and target[0]["train_loss"] != today[0]["train_loss"]
-    assert len(target[0]["val_acceptance_per_position"]) == K and len(target[0]["val_acc_by_depth"]) == K + 1
+    assert [r["steps"] for r in target] == [0, 1, 2] and target[0]["train_tokens"] == 0  # 0: untrained
+    assert target[1]["train_loss"] != today[1]["train_loss"]
+    assert len(target[1]["val_acceptance_per_position"]) == K and len(target[1]["val_acc_by_depth"]) == K + 1

@@ -99,7 +99,7 @@ def train_and_measure(
 ) -> list[dict]:
     """Train one drafter for max(budgets) steps (cfg.training.max_steps is set to that by the caller), cycling
     through `train` in order, cfg.training.sequences_per_step records a step; at each budget validate, call
-    `measure(drafter, teacher, steps)` for extra figures, and append a row."""
+    `measure(drafter, teacher, steps)` for extra figures, and append a row. Budget 0 is the untrained drafter."""
     from peagle_ray.train.step import drafter_step, train_loop
     from peagle_ray.train.worker import to_sequence
 
@@ -108,6 +108,15 @@ def train_and_measure(
     generator = torch.Generator().manual_seed(tcfg.seed + 1)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     rows, tokens, seconds, per_step = [], 0, 0.0, tcfg.sequences_per_step
+    if 0 in budgets:  # the untrained drafter (e.g. drafter.init_from_target against a random start)
+        row = {"steps": 0, "train_tokens": 0, "epochs": 0.0, "trainable_parameters": trainable,
+               **validation_row(cfg, drafter, teacher, validation)}  # fmt: skip
+        if measure is not None:
+            row.update(measure(drafter, teacher, 0))
+        progress(json.dumps({"algorithm": cfg.drafter.algorithm, **row}))
+        rows.append(row)
+    if max(budgets) == 0:
+        return rows
     step_fn = drafter_step(drafter, teacher, cfg.drafter, tcfg, generator)
     for done in train_loop(drafter, train, tcfg, step_fn, max(budgets), to_sequence):
         step, stats = done.step - 1, done.stats
@@ -170,7 +179,7 @@ def ablation(
             variants=True,
         ),
     ] = None,
-    steps: Annotated[int, Opt("Optimizer steps per variant.")] = 100,
+    steps: Annotated[int, Opt("Optimizer steps per variant (0: the untrained drafters).")] = 100,
     progress: Progress = print,
 ) -> dict:
     """One run per variant ({name: ["section.field=value", ...]}, or [[name, override, ...], ...] as the CLI
@@ -187,7 +196,7 @@ def ablation(
         "variants": {},
     }
     for name, overrides in variants.items():
-        variant = with_values(with_overrides(cfg, overrides), {"training.max_steps": steps})
+        variant = with_values(with_overrides(cfg, overrides), {"training.max_steps": max(steps, 1)})
         (row,) = train_and_measure(variant, train, validation, [steps], progress=progress)
         result["variants"][name] = {"overrides": overrides, **row}
     baseline = result["variants"][result["baseline"]]["val_acceptance_length"]
@@ -233,7 +242,7 @@ def learning_curve(
     if variants:
         result["recipes"] = recipes
     for name, overrides in recipes.items():
-        run_cfg = with_values(with_overrides(cfg, overrides), {"training.max_steps": max(budgets)})
+        run_cfg = with_values(with_overrides(cfg, overrides), {"training.max_steps": max(*budgets, 1)})
         measure = suite_measure(run_cfg, work_dir / "exports" / name) if cfg.eval.suite != "validation" else None
         result["curves"][name] = train_and_measure(run_cfg, train, validation, budgets, measure, progress)
     from peagle_ray.plots import plot_curve

@@ -226,9 +226,11 @@ def learning_curve(
     """Per algorithm (or per recipe in `variants`, {name: ["section.field=value", ...]}) one run to
     max(budgets), measured at each budget (validation, and eval.suite via vLLM); the plot and exports go to
     work_dir (default <training.storage_path>/bench/learning-curve)."""
-    if variants and not isinstance(variants, dict):
-        variants = {name: overrides for name, *overrides in variants}
-    recipes = variants or {algorithm: [f"drafter.algorithm={algorithm}"] for algorithm in algorithms}
+    recipes: dict[str, list[str]] = (
+        (variants if isinstance(variants, dict) else {name: overrides for name, *overrides in variants})
+        if variants
+        else {algorithm: [f"drafter.algorithm={algorithm}"] for algorithm in algorithms}
+    )
     budgets = sorted(set(budgets))
     work_dir = work_dir or bench_dir(cfg, "learning-curve")
     train, validation = split_records(cfg, cfg.training.validation_records)

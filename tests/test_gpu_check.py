@@ -35,3 +35,15 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
         assert row["tokens_per_s"] > 0 and row["peak_gib"] > 0, row
     assert rows[("ours", 256)]["segments"] > 1 and rows[("ours", 256)]["estimate_gib"] > 0  # partitioned
     assert "| tiny | 256 | ours | sdpa |" in (tmp_path / "step_table.md").read_text()
+
+
+def test_the_step_profiler_rehearses_on_the_cpu(tmp_path):
+    """scripts/gpu_profile_step.py (one step under torch.profiler, for a lent GPU) at the tiny shape on the CPU."""
+    out = subprocess.run(
+        [sys.executable, "scripts/gpu_profile_step.py", "--shape", "tiny", "--seq-len", "64", "--segment-length",
+         "128", "--attention", "sdpa", "--out", str(tmp_path)],  # fmt: skip
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    text = (tmp_path / "profile_sdpa.txt").read_text()
+    assert text.startswith("tiny N=64 sdpa: step ") and "aten::mm" in text

@@ -120,6 +120,27 @@ def test_a_drafter_started_from_the_target_computes_its_last_layer(tiny_target, 
     assert accuracy["target"] > accuracy["random"], accuracy
 
 
+def test_init_from_target_keeps_what_the_target_lacks_random_and_says_so(tiny_target, records, tmp_path, caplog):
+    """A target without a dense MLP (GPT-OSS's experts): the attention and norms are copied, the MLP keeps its
+    random init, and building the drafter logs which tensors were missing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    moe = tmp_path / "no-dense-mlp"
+    shutil.copytree(tiny_target, moe)
+    weights = load_file(str(moe / "model.safetensors"))
+    save_file({n: t for n, t in weights.items() if ".mlp." not in n}, str(moe / "model.safetensors"))
+    with caplog.at_level("WARNING", logger="peagle_ray.drafter"):
+        _, drafter, _, _ = make(moe, records, init_from_target=-1)
+    last = read_target_info(moe).num_layers - 1
+    assert f"model.layers.{last}.mlp.gate_proj.weight" in caplog.text
+    assert torch.equal(
+        drafter.layers[0].self_attn.o_proj.weight, weights[f"model.layers.{last}.self_attn.o_proj.weight"]
+    )
+    assert not torch.equal(drafter.layers[0].mlp.down_proj.weight, weights[f"model.layers.{last}.mlp.down_proj.weight"])
+
+
 def test_init_from_target_names_the_layers_it_would_need():
     assert target_layers_for(30, -1, 1) == [29] and target_layers_for(30, -2, 2) == [28, 29]
     assert target_layers_for(30, 15, 1) == [15]

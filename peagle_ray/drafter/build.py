@@ -8,6 +8,7 @@ seeded generator.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -208,7 +209,17 @@ def drafter_for_target(
     arch = arch_from_target(target_dir, drafter_cfg, d2t.shape[0], mask.id if mask else None, num_aux)
     drafter, teacher = build_drafter(target_dir, arch, d2t, t2d, generator, drafter_cfg.init_std)
     if drafter_cfg.init_from_target is not None:
-        init_from_target(drafter, target_dir, drafter_cfg.init_from_target, drafter_cfg.init_embed_half)
+        layers, missing = init_from_target(
+            drafter, target_dir, drafter_cfg.init_from_target, drafter_cfg.init_embed_half
+        )
+        if missing:
+            logging.getLogger("peagle_ray.drafter").warning(
+                "drafter.init_from_target = %s: target layers %s have no %s; those drafter tensors keep their "
+                "random init",
+                drafter_cfg.init_from_target,
+                layers,
+                missing,
+            )
     if init_from is not None:
         load_initial_weights(drafter, init_from)
     if feature_scale is not None:

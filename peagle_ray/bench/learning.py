@@ -169,6 +169,14 @@ def suite_measure(cfg: PeagleConfig, work_dir: Path) -> Callable[[object, object
     return measure
 
 
+def named_variants(variants: dict[str, list[str]] | list[list[str]] | None) -> dict[str, list[str]]:
+    """{name: overrides} of `--variant NAME OVERRIDE...` as the CLI gives them ([[name, override, ...], ...]);
+    a dict passes through, None gives {}."""
+    if isinstance(variants, dict):
+        return variants
+    return {name: overrides for name, *overrides in variants or []}
+
+
 def ablation(
     cfg: PeagleConfig,
     variants: Annotated[
@@ -185,8 +193,7 @@ def ablation(
     """One run per variant ({name: ["section.field=value", ...]}, or [[name, override, ...], ...] as the CLI
     gives them; values parsed as YAML), the first being the baseline; none: the config alone. Validation
     replays training.validation_records records (None: all)."""
-    if not isinstance(variants, dict):
-        variants = {name: overrides for name, *overrides in variants} if variants else {"baseline": []}
+    variants = named_variants(variants) or {"baseline": []}
     train, validation = split_records(cfg, cfg.training.validation_records)
     result: dict[str, Any] = {
         "steps": steps,
@@ -226,11 +233,7 @@ def learning_curve(
     """Per algorithm (or per recipe in `variants`, {name: ["section.field=value", ...]}) one run to
     max(budgets), measured at each budget (validation, and eval.suite via vLLM); the plot and exports go to
     work_dir (default <training.storage_path>/bench/learning-curve)."""
-    recipes: dict[str, list[str]] = (
-        (variants if isinstance(variants, dict) else {name: overrides for name, *overrides in variants})
-        if variants
-        else {algorithm: [f"drafter.algorithm={algorithm}"] for algorithm in algorithms}
-    )
+    recipes = named_variants(variants) or {algorithm: [f"drafter.algorithm={algorithm}"] for algorithm in algorithms}
     budgets = sorted(set(budgets))
     work_dir = work_dir or bench_dir(cfg, "learning-curve")
     train, validation = split_records(cfg, cfg.training.validation_records)

@@ -24,6 +24,7 @@ VAL_ACCEPTANCE_LENGTH = "val/acceptance_length"  # the checkpoint score and ever
 VAL_LOSS = "val/loss"
 DATA_WAIT_SHARE = "train/data_wait_share"  # of a worker's time since its first batch, waiting for the next
 VAL_ACCEPTANCE_POS = "val/acceptance_pos_"  # + draft position 1..K
+STEPS_DONE = "progress/steps_done"  # rank 0's step count, written as it trains (not held to checkpoints): the bar
 
 
 def acceptance_metric(position: int) -> str:

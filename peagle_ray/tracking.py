@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -32,7 +33,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from peagle_ray.config import ConfigError, PeagleConfig
-from peagle_ray.layout import VAL_ACCEPTANCE_LENGTH
+from peagle_ray.layout import STEPS_DONE, VAL_ACCEPTANCE_LENGTH
+
+logger = logging.getLogger(__name__)
 
 RUN_NAME_TAG = "peagle.run_name"
 
@@ -216,17 +219,28 @@ def log_metrics(uri: str, run_id: str, metrics: list[tuple[str, float, int]]) ->
 class MetricLog:
     """Rank 0's `log(step, metrics)`: held until flush() (at each checkpoint) and then written in one batch, so a
     crash leaves neither gaps nor duplicates: on resume, steps already in the run (by train/loss) are skipped.
-    Made with uri None (other ranks), it keeps nothing."""
+    Apart from those, the step count (layout.STEPS_DONE) is written as training goes, at most once every
+    `progress_every_s`, for the driver's bar (metric_progress). Made with uri None (other ranks), it keeps nothing."""
 
-    def __init__(self, uri: str | None, run_id: str | None, resume_metric: str = "train/loss"):
+    def __init__(
+        self, uri: str | None, run_id: str | None, resume_metric: str = "train/loss", progress_every_s: float = 10.0
+    ):
         self.uri, self.run_id = uri, run_id
         self.rows: list[tuple[int, dict[str, float]]] = []
         history = metric_history(uri, run_id, resume_metric) if uri and run_id else []
         self.logged_through = max((step for step, _ in history), default=-1)
+        self.progress_every_s = progress_every_s
+        self.progress_at = -math.inf
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         if self.uri and step > self.logged_through:
             self.rows.append((step, metrics))
+        if self.uri and self.run_id and time.monotonic() - self.progress_at >= self.progress_every_s:
+            self.progress_at = time.monotonic()
+            try:
+                log_metrics(self.uri, self.run_id, [(STEPS_DONE, step + 1, step)])
+            except Exception as error:  # noqa: BLE001 - a busy tracking server costs a bar update, not the run
+                logger.warning("progress metric not written at step %d: %s", step, error)
 
     def flush(self) -> None:
         if self.rows and self.uri and self.run_id:
@@ -240,8 +254,9 @@ def metric_progress(
     uri: str, run_id: str, total: int, desc: str, metric: str = VAL_ACCEPTANCE_LENGTH, every_s: float = 5.0
 ):
     """A progress bar of training steps fed from the run's metrics, polled every `every_s` seconds: steps done
-    = the last step of `metric` + 1 (rank 0 writes its metrics at each checkpoint; the workers' output does not
-    reach the driver), postfix = its value. Yields the tqdm bar; the last reading is taken when the block ends."""
+    = the later of rank 0's live step count (layout.STEPS_DONE) and the last step of `metric` + 1 (rank 0 writes
+    its other metrics at each checkpoint; the workers' output does not reach the driver), postfix = the value
+    of `metric`. Yields the tqdm bar; the last reading is taken when the block ends."""
     import threading
 
     from tqdm import tqdm
@@ -251,10 +266,15 @@ def metric_progress(
 
     def refresh() -> None:
         history = metric_history(uri, run_id, metric)
+        written = metric_times(uri, run_id, STEPS_DONE)  # the latest written: a resumed run counts again
+        done = int(max(written, key=lambda row: row[2])[1]) if written else 0
         if history:
             step, value = history[-1]
-            bar.n = min(step + 1, total)
-            bar.set_postfix_str(f"val AL {value:.3f}")
+            done = max(done, step + 1)
+            bar.set_postfix_str(f"val AL {value:.3f}", refresh=False)
+        if done:
+            bar.n = min(done, total)
+            bar.refresh()
 
     def poll() -> None:
         while not stop.wait(every_s):

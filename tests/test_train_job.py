@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from peagle_ray.capture.pipeline import read_manifest
 from peagle_ray.config import ConfigError, TrainingConfig, build_config
 from peagle_ray.serve.app import free_port
-from peagle_ray.tracking import local_mlflow_server, metric_progress, run_status
+from peagle_ray.tracking import MetricLog, local_mlflow_server, metric_progress, run_status
 from peagle_ray.train.checkpoint import export_checkpoint
 from peagle_ray.train.job import check_inputs, run_training
 from peagle_ray.train.worker import validation_subset
@@ -273,8 +273,30 @@ def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
         while bar.n != 100 and time.time() < deadline:
             time.sleep(0.05)
         assert bar.n == 100 and "val AL 1.250" in str(bar)
+        client.log_metric(run_id, "progress/steps_done", 130, step=129)  # between checkpoints: the live count
+        deadline = time.time() + 10
+        while bar.n != 130 and time.time() < deadline:
+            time.sleep(0.05)
+        assert bar.n == 130 and "val AL 1.250" in str(bar)
         client.log_metric(run_id, "val/acceptance_length", 1.3, step=199)
     assert bar.n == 200  # the last reading is taken on the way out
+
+
+@pytest.mark.slow
+def test_rank0_writes_its_step_count_as_it_goes_and_holds_the_rest_to_the_checkpoint(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'log.db'}")
+    run_id = client.create_run(client.create_experiment("log")).info.run_id
+    log = MetricLog(client.tracking_uri, run_id, progress_every_s=3600)
+    for step in range(3):
+        log(step, {"train/loss": 5.0 - step})
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "progress/steps_done")] == [(0, 1.0)]
+    assert client.get_metric_history(run_id, "train/loss") == []  # held until the checkpoint
+    log.flush()
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1, 2]
+    every_step = MetricLog(client.tracking_uri, run_id, progress_every_s=0)
+    every_step(3, {"train/loss": 2.0})
+    every_step(4, {"train/loss": 1.5})
+    assert [m.value for m in client.get_metric_history(run_id, "progress/steps_done")] == [1.0, 4.0, 5.0]
 
 
 def test_data_wait_counts_the_waits_after_the_first_batch(monkeypatch):

@@ -241,7 +241,10 @@ class DrafterConfig(_Section):
     (negative counts from the top: -1 is the last; attention, MLP and norms), fc passing the top aux feature
     through unchanged, the final norm from the target's (drafter/build.py init_from_target). None starts them
     at random (init_std). The aux layers' defaults end at the last layer's input, so -1 makes the untrained
-    depth-0 output the target's own last layer at the anchor."""
+    depth-0 output the target's own last layer at the anchor. Off by default: measured on SmolLM2 only (a Llama
+    layer, copied exactly; one doubling of training data ahead on the learning curve, docs/benchmarks.md), and
+    there configs/demo.yaml and cpu-full.yaml set -1; Qwen3's and GPT-OSS's copies leave tensors out (below)
+    and are unmeasured on real weights. With num_layers > 1, -num_layers starts from the top layers."""
 
     init_embed_half: Literal["random", "zero"] = "random"
     """With init_from_target: layer 0's q/k/v weights on the token-embedding half of its input, random

@@ -266,18 +266,19 @@ def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'progress.db'}")
     run_id = client.create_run(client.create_experiment("progress")).info.run_id
     client.log_metric(run_id, "val/acceptance_length", 1.1, step=49)
+
+    def polled_until(bar, n: int):
+        deadline = time.time() + 10
+        while bar.n != n and time.time() < deadline:
+            time.sleep(0.05)
+        return bar
+
     with metric_progress(client.tracking_uri, run_id, total=200, desc="train", every_s=0.05) as bar:
         assert bar.n == 50  # read at the start (a resumed run starts where its metrics end)
         client.log_metric(run_id, "val/acceptance_length", 1.25, step=99)
-        deadline = time.time() + 10
-        while bar.n != 100 and time.time() < deadline:
-            time.sleep(0.05)
-        assert bar.n == 100 and "val AL 1.250" in str(bar)
+        assert polled_until(bar, 100).n == 100 and "val AL 1.250" in str(bar)
         client.log_metric(run_id, "progress/steps_done", 130, step=129)  # between checkpoints: the live count
-        deadline = time.time() + 10
-        while bar.n != 130 and time.time() < deadline:
-            time.sleep(0.05)
-        assert bar.n == 130 and "val AL 1.250" in str(bar)
+        assert polled_until(bar, 130).n == 130 and "val AL 1.250" in str(bar)
         client.log_metric(run_id, "val/acceptance_length", 1.3, step=199)
     assert bar.n == 200  # the last reading is taken on the way out
 

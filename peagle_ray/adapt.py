@@ -34,10 +34,17 @@ from typing import TYPE_CHECKING
 
 from peagle_ray import layout
 from peagle_ray.config import ConfigError, PeagleConfig, with_values
-from peagle_ray.data.traffic import CATEGORY as TRAFFIC, PREFIX as TRAFFIC_IDS
+from peagle_ray.data.traffic import (
+    CATEGORY as TRAFFIC,
+    PREFIX as TRAFFIC_IDS,
+    traffic_dir,
+    window_requests,
+    window_source,
+)
 
 if TYPE_CHECKING:
     from peagle_ray.eval.metrics import Row
+    from peagle_ray.serve.registry import ServedExport
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,31 @@ def traffic_source(cfg: PeagleConfig) -> str:
             "adapt needs recorded traffic: set serving.record_dir (where the endpoint records) or "
             "adapt.traffic_dir; got neither"
         )
-    return f"traffic:{Path(directory).resolve()}"
+    return window_source(Path(directory).resolve())
+
+
+TRAFFIC_UNTIL = "adapt.traffic_until"  # the registered model's tag: the newest request the last adaptation read
+
+
+def new_traffic(cfg: PeagleConfig, uri: str, name: str) -> tuple[str, float]:
+    """(the traffic source of this adaptation, the newest request's time in it): the requests recorded after
+    adapt.since, else after the last adaptation's (TRAFFIC_UNTIL), up to now. Refused (ConfigError, which
+    continuous mode reports as a skipped round) with fewer than adapt.min_requests of them."""
+    from peagle_ray.tracking import model_tags
+
+    directory = traffic_dir(traffic_source(cfg))
+    since, why = cfg.adapt.since, "adapt.since"
+    if since is None and (last := model_tags(uri, name).get(TRAFFIC_UNTIL)):
+        since, why = float(last), "the newest request the last adaptation read; adapt.since overrides it"
+    count, newest = window_requests(window_source(directory, since))
+    if count < cfg.adapt.min_requests or newest is None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else ""
+        after = f" after {when} ({why})" if since else ""
+        raise ConfigError(
+            f"too little new traffic in {directory}: {count} requests recorded{after}; "
+            f"adapt.min_requests is {cfg.adapt.min_requests}"
+        )
+    return window_source(directory, since, newest), newest
 
 
 def adapt_config(cfg: PeagleConfig, source: str, work: Path, parent_dir: Path, uri: str) -> PeagleConfig:
@@ -274,7 +305,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
     from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
     from peagle_ray.export.speculators import read_drafter
     from peagle_ray.serve.app import serving_decoder
-    from peagle_ray.tracking import aliased_version, download_version, tracking_uri
+    from peagle_ray.tracking import aliased_version, download_version, set_model_tags, tracking_uri
     from peagle_ray.train.job import run_training
 
     name = registered_name(cfg)
@@ -290,6 +321,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
                 f"no version of registered model {name!r} has the alias {cfg.adapt.alias!r} (adapt.alias) in "
                 f"{uri}; train a drafter first (`peagle-ray train` registers it; its first version gets the alias)"
             )
+        source, newest = new_traffic(cfg, uri, name)
         parent_dir = download_version(uri, name, parent["version"], work / "parent")
         acfg = adapt_config(cfg, source, work, parent_dir, uri)
         prepared = prepare_and_capture(acfg, prepare=True, capture=False).prepared
@@ -297,7 +329,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
         samples = prepared.by_category.get(TRAFFIC, {})  # adapt.replay's samples are not traffic
         if samples.get("train", 0) < cfg.adapt.min_requests or not samples.get("validation"):
             raise ConfigError(
-                f"too little recorded traffic in {source[len('traffic:') :]}: {samples.get('train', 0)} training "
+                f"too little recorded traffic in {traffic_dir(source)}: {samples.get('train', 0)} training "
                 f"and {samples.get('validation', 0)} held-out samples; adapt.min_requests is "
                 f"{cfg.adapt.min_requests} and at least one must be held out (bad rows: {prepared.bad_rows})"
             )
@@ -340,6 +372,7 @@ def run_adapt(cfg: PeagleConfig) -> AdaptReport:
             decoders=decoders,
         )
         _record(uri, cfg, report)
+        set_model_tags(uri, name, {TRAFFIC_UNTIL: repr(newest)})  # the next round starts after it
         report.swapped = _promote(uri, cfg, report, served, (parent_dir, f"{name}/{parent['version']}"))
     work.mkdir(parents=True, exist_ok=True)
     report.json = str(work / "adapt.json")
@@ -381,26 +414,25 @@ def decoder_metrics(report: AdaptReport) -> dict[str, float]:
 
 
 def _promote(uri: str, cfg: PeagleConfig, report: AdaptReport, served, previous: tuple[Path, str]) -> bool:
-    """Move the alias to the new version when promoted; with adapt.swap, roll the endpoint running on this
-    cluster onto the served export and its chosen decoder (`served`, a serve/decoder.ServedDecoder) when that
-    changes what it serves (the registered model's served.* tags say what it serves) and tag the model with
-    it; True when swapped."""
+    """Move the alias to the new version when promoted; record what is to be served (`served`, a
+    serve/decoder.ServedDecoder) as the registered model's served.* tags, which `peagle-ray serve` reads; with
+    adapt.swap, roll the endpoint running on this cluster onto it first when that changes what it serves.
+    True when swapped."""
     from peagle_ray.serve.app import endpoint_running, swap_drafter
     from peagle_ray.tracking import model_tags, set_alias, set_model_tags
 
     name = registered_name(cfg)
     if report.promote and report.version is not None:
         set_alias(uri, name, cfg.adapt.alias, report.version)
-    if not (cfg.adapt.swap and endpoint_running()):
-        return False
     label = f"{name}/{report.served_version}"
     tags = served_tags(served)
-    if not report.promote and all(model_tags(uri, name).get(key) == tags[key] for key in SAME_SERVING):
-        return False
-    swap_drafter(cfg, Path(report.served_dir), label, previous)
+    unchanged = not report.promote and all(model_tags(uri, name).get(key) == tags[key] for key in SAME_SERVING)
+    swap = cfg.adapt.swap and not unchanged and endpoint_running()
+    if swap:
+        swap_drafter(cfg, Path(report.served_dir), label, previous)  # raises, tags untouched, when it fails
+        print(f"[adapt] the endpoint now serves {served.describe()} ({label})", flush=True)
     set_model_tags(uri, name, tags)
-    print(f"[adapt] the endpoint now serves {served.describe()} ({label})", flush=True)
-    return True
+    return swap
 
 
 SAME_SERVING = ("served.decoder", "served.k", "served.version")  # equal: the endpoint serves this already
@@ -413,6 +445,7 @@ def served_tags(served) -> dict[str, str]:
         "served.k": str(served.k),
         "served.version": served.version or "",
         "served.why": served.reason[:5000],
+        "served.dir": served.drafter.path if served.drafter is not None else "",
     }
 
 
@@ -431,9 +464,10 @@ def adapt_cycle(cfg: PeagleConfig) -> AdaptReport | None:
     return None
 
 
-def serve_adapting(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None, every_minutes: float) -> None:
+def serve_adapting(cfg: PeagleConfig, chosen: ServedExport | None, k: int | None, every_minutes: float) -> None:
     """Serve (recording traffic) and adapt every `every_minutes`: each round fine-tunes the version holding
-    adapt.alias on everything recorded so far and swaps in a promoted one. Ctrl-C / SIGTERM stop it."""
+    adapt.alias on the requests recorded since the last round (new_traffic; a round with fewer than
+    adapt.min_requests of them is skipped, saying so) and swaps in a promoted one. Ctrl-C / SIGTERM stop it."""
     from ray import serve
 
     from peagle_ray.serve.app import serve_forever, stop_endpoint
@@ -442,7 +476,7 @@ def serve_adapting(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None, e
         raise ConfigError("--adapt-every needs traffic to learn from: set serving.record_dir; got None")
     if every_minutes <= 0:
         raise ConfigError(f"--adapt-every must be a positive number of minutes; got {every_minutes}")
-    serve_forever(cfg, drafter_dir, k, detach=True)
+    serve_forever(cfg, chosen, k, detach=True)
     print(f"[adapt] adapting to the recorded traffic every {every_minutes:g} min", flush=True)
     try:
         while True:

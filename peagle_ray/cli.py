@@ -81,11 +81,11 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from peagle_ray.layout import drafter_dir
     from peagle_ray.serve.app import serve_forever
+    from peagle_ray.serve.registry import chosen_drafter
 
     cfg = _config(args)
-    drafter = None if args.no_drafter else (args.drafter or drafter_dir(cfg))
+    drafter = chosen_drafter(cfg, args.drafter, args.no_drafter)
     if args.adapt_every is not None:
         from peagle_ray.adapt import serve_adapting
 
@@ -260,7 +260,8 @@ COMMANDS = [
             arg(
                 "--drafter",
                 type=Path,
-                help="Exported drafter directory (default: the training run's export, "
+                help="Exported drafter directory (default: the registry's version holding adapt.alias, served "
+                "with the decoder and K its last comparison chose; without a registry, the training run's export, "
                 "<training.storage_path>/<run_name>/export).",
             ),
             arg("--no-drafter", action="store_true", help="Serve the target alone (no speculation)."),

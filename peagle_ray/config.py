@@ -472,7 +472,9 @@ class ServingConfig(_Section):
 
     draft_max_batch_size: int | None = Field(default=None, ge=1)
     """Draft only while at most this many requests run at once; above it the endpoint decodes with the target
-    alone (vLLM's num_speculative_tokens_per_batch_size schedule). None drafts at every batch size. Verifying
+    alone (vLLM's num_speculative_tokens_per_batch_size schedule). None drafts at every batch size. Suffix
+    decoding served alone drafts at every batch size whatever this says (vLLM's suffix proposer takes no
+    per-batch K; its drafts are tree lookups, not forward passes). Verifying
     K drafts per request costs more than it saves once the batch fills the hardware: measure the crossover
     with `peagle-ray bench load --clients N` against the target alone served the same way."""
 
@@ -568,7 +570,14 @@ class AdaptConfig(_Section):
     ["sharegpt:32"]): captured with the traffic and trained on beside it; only the traffic is judged."""
 
     min_requests: int = Field(default=16, gt=0)
-    """Fewest recorded training samples worth adapting on; fewer is refused with the count found."""
+    """Fewest recorded training samples worth adapting on; fewer is refused with the count found. Counted
+    among the requests recorded since the last adaptation (adapt.since): a round with fewer new requests is
+    skipped, so a version is never promoted again on evidence it was already judged on."""
+
+    since: float | None = None
+    """Adapt on the requests recorded after this Unix time. None: after the newest request the last
+    adaptation of tracking.registered_model learnt from (its registered model's tag adapt.traffic_until), every
+    request where none ran yet; 0 adapts on the whole recording again."""
 
     validation_fraction: float = Field(default=0.25, gt=0.0, lt=1.0)
     """Share of recorded requests (by conversation id, else by request) held out to judge the new version."""

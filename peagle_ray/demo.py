@@ -105,7 +105,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     from peagle_ray.adapt import run_adapt
     from peagle_ray.cluster import ensure_ray, joined_cluster
     from peagle_ray.export.speculators import read_drafter
-    from peagle_ray.serve.app import endpoint_banner, serving_decoder, stop_endpoint
+    from peagle_ray.serve.app import endpoint_banner, served_model, serving_decoder, stop_endpoint
     from peagle_ray.target import resolve_target_path
     from peagle_ray.tracking import tracking_uri
 
@@ -149,7 +149,7 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
             )
             print(
                 f"\n{table}\n\n{stages.table()}\n\nresults: {result} and {report.json}\nMLflow UI: {uri}\n"
-                f"{endpoint_banner(url, cfg).replace('MODEL', resolve_target_path(cfg).name)}\n"
+                f"{endpoint_banner(url, cfg, served_model(resolve_target_path(cfg)))}\n"
                 f"{serving.line()} (recording to {record_dir})\n"
                 f"[demo] done in {sum(stages.minutes().values()):.1f} min",
                 flush=True,

@@ -54,15 +54,21 @@ def engine_args(cfg: PeagleConfig, target_dir, on_gpu: bool, speculative_config:
     return args
 
 
+NEGATED = ("async_scheduling",)  # booleans whose default (None) lets vLLM decide: False is said explicitly
+
+
 def cli_args(args: dict) -> list[str]:
     """Engine arguments as vLLM command-line flags: {"max_model_len": 2048, "enforce_eager": True,
     "speculative_config": {...}} -> ["--max-model-len", "2048", "--enforce-eager", "--speculative-config", "{...}"];
-    False booleans are left out (each is the flag's default)."""
+    False booleans are left out (each is the flag's default), but where vLLM decides by default (NEGATED):
+    {"async_scheduling": False} -> ["--no-async-scheduling"]."""
     flags = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
+        elif value is False and key in NEGATED:
+            flags.append("--no-" + key.replace("_", "-"))
         elif value is not False and value is not None:
             flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags

@@ -126,6 +126,13 @@ def engine_config(
     return {CONFIG_KEY: {key: value for key, value in options.items() if value is not None}}
 
 
+# Engine arguments every hybrid engine runs with. Async scheduling off: with it, vLLM (on by default for EAGLE
+# on GPU) keeps the drafts on the device and expects the proposal step to return a [requests, K] tensor, where
+# the hybrid returns per-request lists of any length <= K (suffix decoding's drafts are ragged). vLLM turns it
+# off itself for suffix decoding alone, for the same reason.
+ENGINE_ARGS = {"async_scheduling": False}
+
+
 def installed_vllm() -> str:
     """The installed vLLM's version, read from its distribution's metadata (importing vLLM takes seconds)."""
     from importlib.metadata import packages_distributions, version
@@ -144,15 +151,52 @@ def unsupported(vllm_version: str | None = None) -> str | None:
     )
 
 
+# The model runner's methods the plugin wraps, with the parameters it was written against (vLLM 0.32.0's
+# GPUModelRunner, which CPUModelRunner inherits): another signature means another runner, left unpatched.
+PATCHED = {
+    "propose_draft_token_ids": (
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata", "slot_mappings",
+    ),
+    "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
+}  # fmt: skip
+
+
+def runner_problem(runner_class, vllm_version: str | None = None) -> str | None:
+    """Why the plugin must not patch `runner_class` (another vLLM release; a patched method missing or with
+    other parameters than PATCHED's), or None."""
+    import inspect
+
+    problem = unsupported(vllm_version)
+    if problem is not None:
+        return problem
+    for name, expected in PATCHED.items():
+        method = getattr(runner_class, name, None)
+        found = tuple(inspect.signature(method).parameters) if method is not None else None
+        if found != expected:
+            return (
+                f"peagle-ray's hybrid decoder wraps {runner_class.__name__}.{name}{expected} and this vLLM has "
+                f"{found}: not patched, the drafter alone drafts"
+            )
+    return None
+
+
 def register() -> None:
-    """vLLM runs this in every process it starts: wraps the model runner's proposal step (`hybrid_proposer`),
-    which changes nothing unless the engine's additional_config asks for the hybrid (CONFIG_KEY)."""
+    """vLLM runs this in every process it starts: wraps the model runner's proposal step (`hybrid_proposer`)
+    and forward step (`slowed_forward`), which change nothing unless the engine's additional_config asks for
+    them (CONFIG_KEY, STEP_COST_KEY). Only on the vLLM release and runner signatures it was written for
+    (runner_problem); on any other it patches nothing and says so once, where an engine asks for it."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # CPUModelRunner inherits its proposal step
     except ImportError as err:
         log.debug("no vLLM V1 model runner to wrap (%s)", err)
         return
-    if getattr(GPUModelRunner, "_peagle_hybrid", False) or not hasattr(GPUModelRunner, "propose_draft_token_ids"):
+    if getattr(GPUModelRunner, "_peagle_hybrid", False):
+        return
+    problem = runner_problem(GPUModelRunner)
+    if problem is not None:  # another release is reported where the hybrid is asked for (serve/decoder.py);
+        # other signatures on the supported release (another build of it) only here, loudly
+        log.log(logging.DEBUG if unsupported() else logging.WARNING, problem)
         return
     GPUModelRunner.propose_draft_token_ids = hybrid_proposer(GPUModelRunner.propose_draft_token_ids, installed_vllm())
     GPUModelRunner.execute_model = slowed_forward(GPUModelRunner.execute_model)

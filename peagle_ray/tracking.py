@@ -310,6 +310,9 @@ def log_files(
         client.log_artifacts(run_id, str(directory), artifact_path=key)
 
 
+EXPORT_DIR_TAG = "export_dir"  # a registered version's tag: the export it was registered from, on its machine
+
+
 def register_model(uri: str, run_id: str, name: str, artifact_path: str, alias: str, tags: dict | None = None) -> str:
     """A new version of the registered model `name` (made if missing) from the run's artifacts; returns the
     version number. The first version of a model also gets `alias` (adapt.alias, "serving": what the endpoint
@@ -341,7 +344,7 @@ def register_export(uri: str, cfg: PeagleConfig, run_name: str, export: Path, wo
         raise ConfigError("registering a drafter needs tracking.registered_model; got None")
     run_id, _ = find_or_create_run(uri, with_values(cfg, {"training.run_name": run_name}), work_dir)
     log_files(uri, run_id, [], dirs={"drafter": export})
-    return register_model(uri, run_id, name, "drafter", cfg.adapt.alias)
+    return register_model(uri, run_id, name, "drafter", cfg.adapt.alias, {EXPORT_DIR_TAG: str(Path(export).resolve())})
 
 
 def aliased_version(uri: str, name: str, alias: str) -> dict | None:

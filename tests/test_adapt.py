@@ -106,8 +106,13 @@ def test_adapt_refuses_without_a_recording(tmp_path):
 
 def test_adapt_refuses_before_a_version_is_registered_and_with_too_little_traffic(adapt_loop):
     assert "no version of registered model 'peagle-drafter' has the alias 'serving'" in adapt_loop.refusals["no alias"]
-    assert "too little recorded traffic" in adapt_loop.refusals["too little traffic"]
-    assert adapt_loop.skipped is None  # continuous mode's round: skipped, the endpoint kept serving
+    assert "too little new traffic" in adapt_loop.refusals["too little traffic"]
+    assert "adapt.min_requests is 10000" in adapt_loop.refusals["too little traffic"]
+    # continuous mode's round after the adaptation, on the same recording: nothing new, skipped, still serving
+    assert adapt_loop.skipped is None
+    skipped = adapt_loop.refusals["no new traffic"]
+    assert "skipped this round: too little new traffic" in skipped and "0 requests recorded after" in skipped
+    assert "the last adaptation read" in skipped
 
 
 def test_the_endpoint_records_the_workload_losslessly(adapt_loop):

@@ -13,7 +13,14 @@ import pytest
 from peagle_ray.config import ConfigError, build_config
 from peagle_ray.data.prepare import BadRows, prepare_samples
 from peagle_ray.data.sources import check_sources, read_conversations
-from peagle_ray.data.traffic import SCHEMA, traffic_conversations
+from peagle_ray.data.traffic import (
+    SCHEMA,
+    traffic_conversations,
+    traffic_dir,
+    traffic_window,
+    window_requests,
+    window_source,
+)
 from peagle_ray.serve.record import CURRENT_REQUEST, RecordingEngine, TrafficRecorder, traffic_record
 
 
@@ -178,3 +185,29 @@ def test_record_size_settings_are_validated():
     with pytest.raises(ConfigError, match="serving.record_max_mb must be at least serving.record_file_mb"):
         build_config({"serving": {"record_dir": "x", "record_file_mb": 10, "record_max_mb": 5}})
     assert os.fspath(build_config({"serving": {"record_dir": "r"}}).serving.record_dir) == "r"
+
+
+def test_a_traffic_window_reads_only_the_requests_recorded_inside_it(tmp_path):
+    directory = tmp_path / "rec"
+    directory.mkdir()
+    rows = [{**record(f"r{i}", [1, 2], [[3, 4]]), "time": 100.0 + i} for i in range(5)]
+    rows.append({**record("untimed", [1], [[2]]), "time": None})  # no time: outside any bounded window
+    (directory / "traffic-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut off')
+    assert traffic_window(f"traffic:{directory}") == (float("-inf"), float("inf"))
+    source = window_source(directory, 101.0, 103.0)
+    assert source == f"traffic:{directory}?since=101.0&until=103.0"
+    assert traffic_dir(source) == directory and traffic_window(source) == (101.0, 103.0)
+    assert window_source(directory) == f"traffic:{directory}" and window_source(directory, until=7.5).endswith(
+        "?until=7.5"
+    )
+    bad = BadRows()
+    ids = [c.sample_id for c in traffic_conversations(source, 0.0, bad)]
+    assert ids == ["traffic:r2:0", "traffic:r3:0"]  # since < time <= until
+    assert bad.total() == 1  # the cut-off line is bad wherever the window is; older requests are not bad rows
+    assert window_requests(window_source(directory, 102.0)) == (2, 104.0)
+    assert window_requests(window_source(directory, 104.0)) == (0, None)
+    assert window_requests(f"traffic:{directory}") == (6, 104.0)  # the untimed request counts where unbounded
+    with pytest.raises(ConfigError, match=r"since must be a Unix time in seconds; got 'yesterday'"):
+        check_sources([f"traffic:{directory}?since=yesterday"])
+    with pytest.raises(ConfigError, match=r"takes since= and until=; got \['from'\]"):
+        check_sources([f"traffic:{directory}?from=1"])

@@ -21,6 +21,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from peagle_ray.config import ConfigError
 from peagle_ray.data.prepare import BadRow, BadRows, Conversation, split_of
 
 SCHEMA = "peagle-traffic/1"
@@ -34,8 +35,64 @@ def is_traffic(source: str) -> bool:
 
 
 def traffic_dir(source: str) -> Path:
-    """ "traffic:/srv/record" -> Path("/srv/record")."""
-    return Path(source[len(PREFIX) :])
+    """ "traffic:/srv/record" or "traffic:/srv/record?since=1764600000.5" -> Path("/srv/record")."""
+    return Path(source[len(PREFIX) :].partition("?")[0])
+
+
+def traffic_window(source: str) -> tuple[float, float]:
+    """(since, until): a traffic source's requests count where since < time <= until (Unix seconds).
+
+    e.g. "traffic:/srv/record?since=1764600000.5&until=1764603600" -> (1764600000.5, 1764603600.0);
+    "traffic:/srv/record" -> (-inf, inf): every request."""
+    from urllib.parse import parse_qs
+
+    query = parse_qs(source.partition("?")[2], keep_blank_values=True)
+    unknown = sorted(query.keys() - {"since", "until"})
+    if unknown:
+        raise ConfigError(f"data.sources entry {source!r}: a traffic source takes since= and until=; got {unknown}")
+    bounds = []
+    for name, default in (("since", float("-inf")), ("until", float("inf"))):
+        value = query.get(name, [None])[-1]
+        try:
+            bounds.append(default if value is None else float(value))
+        except ValueError:
+            raise ConfigError(
+                f"data.sources entry {source!r}: {name} must be a Unix time in seconds; got {value!r}"
+            ) from None
+    return bounds[0], bounds[1]
+
+
+def window_source(directory: str | Path, since: float | None = None, until: float | None = None) -> str:
+    """The traffic source of `directory` between `since` and `until` (None: open); traffic_window's inverse."""
+    bounds = "&".join(f"{name}={value!r}" for name, value in (("since", since), ("until", until)) if value is not None)
+    return f"{PREFIX}{directory}" + (f"?{bounds}" if bounds else "")
+
+
+def window_requests(source: str) -> tuple[int, float | None]:
+    """(requests recorded inside the source's window, the newest one's time): what an adaptation would learn
+    from. Unreadable lines are not counted (reading the data counts them as bad rows)."""
+    (since, until), count, newest_time = traffic_window(source), 0, float("-inf")
+    for path in traffic_files(traffic_dir(source)):
+        with path.open("rb") as f:
+            for raw in f:
+                try:
+                    when = record_time(parse_record(raw))
+                except BadRow:
+                    continue
+                if inside(when, since, until):
+                    count, newest_time = count + 1, max(when, newest_time)
+    return count, (newest_time if newest_time > float("-inf") else None)
+
+
+def inside(when: float, since: float, until: float) -> bool:
+    """since < when <= until; an open bound (-inf / inf) admits a record without a time (when = -inf) too."""
+    return (since == float("-inf") or since < when) and when <= until
+
+
+def record_time(record: dict) -> float:
+    """A record's "time" (Unix seconds; -inf where it has none, so a since filter skips it)."""
+    when = record.get("time")
+    return float(when) if isinstance(when, int | float) and not isinstance(when, bool) else float("-inf")
 
 
 def traffic_files(directory: Path) -> list[Path]:
@@ -45,6 +102,7 @@ def traffic_files(directory: Path) -> list[Path]:
 
 def check_traffic_source(source: str) -> None:
     directory = traffic_dir(source)
+    traffic_window(source)  # a malformed window is refused here, before any work
     if not directory.is_dir():
         raise FileNotFoundError(
             f"data.sources entry {source!r}: {directory} is not a directory; expected the endpoint's serving.record_dir"
@@ -59,7 +117,9 @@ def check_traffic_source(source: str) -> None:
 def traffic_conversations(
     source: str, validation_fraction: float, bad: BadRows, max_row_bytes: int | None = None
 ) -> Iterator[Conversation]:
-    """Every recorded completion of `traffic:DIR` as a Conversation carrying prompt_ids / output_ids."""
+    """Every recorded completion of `traffic:DIR` (`?since=A&until=B`: of the requests recorded in that window,
+    traffic_window) as a Conversation carrying prompt_ids / output_ids."""
+    since, until = traffic_window(source)
     for path in traffic_files(traffic_dir(source)):
         with path.open("rb") as f:
             for i, raw in enumerate(f):
@@ -69,6 +129,8 @@ def traffic_conversations(
                 except BadRow as err:
                     bad.skip(err, row_id)
                     continue
+                if not inside(record_time(record), since, until):
+                    continue  # outside the window (an earlier round's, or newer): not a bad row
                 key = record.get("conversation_id") or record["id"]
                 split = split_of(f"{PREFIX}{key}", validation_fraction)
                 for n, output in enumerate(record["output_ids"]):

@@ -30,7 +30,13 @@ from pathlib import Path
 from peagle_ray.config import PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env
 from peagle_ray.eval.metrics import EngineRun, Row, summarize
-from peagle_ray.hybrid import STEP_COST_KEY, SUFFIX_MISSING, suffix_available
+from peagle_ray.hybrid import (
+    CONFIG_KEY,
+    ENGINE_ARGS as HYBRID_ENGINE_ARGS,
+    STEP_COST_KEY,
+    SUFFIX_MISSING,
+    suffix_available,
+)
 from peagle_ray.spec_counters import SpecStats
 
 Prompts = dict[str, list[list[int]]]  # category -> prompt token ids
@@ -55,8 +61,6 @@ class Candidate:
     @property
     def uses_suffix(self) -> bool:
         """Suffix decoding alone, or in the hybrid (peagle_ray/hybrid.py, asked for in additional_config)."""
-        from peagle_ray.hybrid import CONFIG_KEY
-
         return self.spec.get("method") == "suffix" or CONFIG_KEY in self.additional_config
 
 
@@ -260,6 +264,8 @@ class DrivenEngine:
             extra[STEP_COST_KEY] = cfg.eval.target_step_ms
         if extra:
             spec["engine_args"]["additional_config"] = extra
+        if CONFIG_KEY in extra:
+            spec["engine_args"].update(HYBRID_ENGINE_ARGS)
         if gpu_share:  # engines side by side share the GPU's memory
             spec["engine_args"]["gpu_memory_utilization"] = round(0.85 / gpu_share, 3)
         self.tmp = tempfile.TemporaryDirectory(prefix="peagle-eval-")

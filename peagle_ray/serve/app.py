@@ -22,8 +22,10 @@ parallel_drafting), vLLM's suffix decoding, or both (the hybrid, peagle_ray/hybr
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +39,9 @@ from peagle_ray.layout import drafter_dir
 from peagle_ray.serve.decoder import ServedDecoder, served_decoder
 from peagle_ray.serve.limits import Limits, admit
 from peagle_ray.serve.record import CURRENT_REQUEST
+from peagle_ray.serve.registry import ServedExport
 
+log = logging.getLogger("ray.serve")  # a replica's log lines go to Serve's replica log file
 APP_NAME = "peagle-openai"
 LIMITED_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -49,15 +53,63 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def served_model(target_dir: Path) -> str:
+    """The model id the endpoint answers to (/v1/models): the target directory's name."""
+    return Path(target_dir).name
+
+
 def vllm_args(cfg: PeagleConfig, target_dir: Path, served: ServedDecoder, served_name: str | None = None) -> list[str]:
     """vLLM OpenAI-server command-line arguments for the target and the decoder served: engine.engine_args as
     flags (the hybrid's additional_config is added in the replica, which knows where its counts go)."""
+    from peagle_ray.hybrid import ENGINE_ARGS as HYBRID_ENGINE_ARGS
+
     spec = served.speculative_config(cfg.serving.draft_max_batch_size)
-    args = cli_args(engine_args(cfg, target_dir, cfg.serving.num_gpus > 0, spec))
-    args += ["--served-model-name", served_name or Path(target_dir).name]
+    extra = HYBRID_ENGINE_ARGS if served.decoder == "hybrid" else {}
+    args = cli_args({**engine_args(cfg, target_dir, cfg.serving.num_gpus > 0, spec), **extra})
+    args += ["--served-model-name", served_name or served_model(target_dir)]
     if cfg.serving.api_token:
         args += ["--api-key", cfg.serving.api_token]
     return args
+
+
+RETRY_AFTER_S = 15  # what a 503 tells clients to wait: Serve's health check (every 5 s, 3 failures) then a new replica
+
+
+class EngineGuard:
+    """Pure ASGI middleware: while the replica's engine is dead (`dead()` says why), every HTTP request gets 503
+    with Retry-After, naming the cause, instead of vLLM's opaque 500s; a response vLLM starts with a 5xx
+    because the engine died under it becomes the same 503. Serve's health check (OpenAIEndpoint.check_health)
+    meanwhile replaces the replica. A stream that already answered 200 ends with vLLM's error chunk."""
+
+    def __init__(self, app, dead):
+        self.app, self.dead = app, dead
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if (reason := self.dead()) is not None:
+            return await unavailable(send, reason)
+        replaced = False
+
+        async def guarded(message):
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] >= 500:
+                reason = self.dead()
+                if reason is not None:
+                    replaced = True
+                    return await unavailable(send, reason)
+            if not replaced:  # vLLM's own body of a replaced response is dropped
+                await send(message)
+
+        return await self.app(scope, receive, guarded)
+
+
+async def unavailable(send, reason: str) -> None:
+    """HTTP 503 with Retry-After and an OpenAI-shaped error body saying `reason`."""
+    error = {"message": reason, "type": "ServiceUnavailableError", "param": None, "code": 503}
+    headers = [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps({"error": error}).encode()})
 
 
 class RequestLimits:
@@ -148,12 +200,33 @@ class EndpointSpec:
     recording: Recording | None = None
 
 
-@serve.deployment(name="OpenAIEndpoint", max_ongoing_requests=256, health_check_period_s=10)
+@serve.deployment(name="OpenAIEndpoint", max_ongoing_requests=256, health_check_period_s=5)
 @serve.ingress()
 class OpenAIEndpoint:
     def __init__(self, spec: EndpointSpec):
         self.spec = spec
         self.engine = None
+        self._death_logged = False
+
+    def engine_dead(self) -> str | None:
+        """Why this replica cannot serve (its vLLM engine died), or None while it can."""
+        if self.engine is None or not self.engine.errored:
+            return None
+        return (
+            "the endpoint's vLLM engine died and Ray Serve is replacing it; retry in a few seconds "
+            "(/health answers 200 again once it serves)"
+        )
+
+    async def check_health(self):
+        """Serve's health check (every health_check_period_s): fails while the engine is dead, so that Serve
+        replaces this replica (after 3 failures in a row); said once in the replica's log."""
+        reason = self.engine_dead()
+        if reason is None:
+            return
+        if not self._death_logged:
+            self._death_logged = True
+            log.error("endpoint: the vLLM engine died; failing Serve's health check so that it replaces this replica")
+        raise RuntimeError(reason)
 
     async def __serve_build_asgi_app__(self):
         """Called by Serve in the replica after __init__: start the engine and build vLLM's app on it."""
@@ -181,6 +254,9 @@ class OpenAIEndpoint:
         names = args.served_model_name
         await init_app_state(self._recorded(names[0] if isinstance(names, list) else names), app.state, args, tasks)
         app.router.lifespan_context = _no_lifespan  # vLLM's only starts a periodic stats print
+        # vLLM's engine-error handler asks the uvicorn server to exit (terminate_if_errored, app.state.server);
+        # here Serve owns the server, and the health check replaces a replica whose engine died
+        app.state.server = types.SimpleNamespace(should_exit=False)
 
         served = self.spec.served.to_json()
         by_source = lambda: read_stats(self._stats_file)  # noqa: E731 - the hybrid's engine core writes it
@@ -195,8 +271,10 @@ class OpenAIEndpoint:
         except ValueError:
             pass  # already registered in this process
         tokenizer = AutoTokenizer.from_pretrained(self.spec.target_dir)
+        log.info("endpoint: replica ready, %s", self.spec.served.line())
         # wrapped rather than app.add_middleware: vLLM's app has already built its middleware stack
-        return RequestLimits(app, tokenizer, self.spec.limits, recording=self.recorder is not None)
+        limited = RequestLimits(app, tokenizer, self.spec.limits, recording=self.recorder is not None)
+        return EngineGuard(limited, self.engine_dead)
 
     def stats_file(self) -> str | None:
         """Where the hybrid's engine core writes its counts per source (None for any other decoder)."""
@@ -281,25 +359,32 @@ def start_endpoint(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | N
     return f"http://{cfg.serving.host}:{cfg.serving.port}"
 
 
-def serve_forever(cfg: PeagleConfig, drafter_dir: Path | None, k: int | None = None, detach: bool = False) -> None:
+def serve_forever(cfg: PeagleConfig, chosen: ServedExport | None, k: int | None = None, detach: bool = False) -> None:
     """`peagle-ray serve`: the target, drafting with an exported drafter, as an OpenAI-compatible REST endpoint
     on Ray Serve.
 
-    `drafter_dir` None serves the target alone. Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port (loopback by
-    default); bearer-token auth when serving.api_token is set. A bad target or drafter fails before Ray
-    starts. Ctrl-C / SIGTERM stop the endpoint (KeyboardInterrupt); with detach, it returns once deployed and
-    the endpoint keeps running on the cluster."""
+    `chosen` (serve/registry.chosen_drafter): --drafter DIR; without it the registry's version holding
+    adapt.alias and its recorded verdict, else the training run's export; None (--no-drafter) serves the
+    target alone. Joins the cluster in RAY_ADDRESS or starts a local one; binds to serving.host:serving.port
+    (loopback by default); bearer-token auth when serving.api_token is set. A bad target or drafter fails
+    before Ray starts. Ctrl-C / SIGTERM stop the endpoint (KeyboardInterrupt); with detach, it returns once
+    deployed and the endpoint keeps running on the cluster."""
     import time
 
     from peagle_ray.cluster import ensure_ray
+    from peagle_ray.config import with_values
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
-    drafter = read_drafter(drafter_dir) if drafter_dir is not None else None
+    if chosen is not None and chosen.label and not cfg.serving.drafter_version:
+        cfg = with_values(cfg, {"serving.drafter_version": chosen.label})
+    drafter = chosen.drafter if chosen is not None else None
     served = serving_decoder(cfg, drafter, k)  # refused here, before Ray starts
     ensure_ray()
     url = start_endpoint(cfg, target, drafter, k)
-    print(endpoint_banner(url, cfg), served.line(), sep="\n", flush=True)
+    if chosen is not None:
+        print(f"drafter:  {chosen.directory}" + (f" ({chosen.label})" if chosen.label else "") + f": {chosen.why}")
+    print(endpoint_banner(url, cfg, served_model(target)), served.line(), sep="\n", flush=True)
     if detach:
         return
     try:
@@ -372,13 +457,11 @@ def app_builder(args: dict):
     )
 
 
-def endpoint_banner(url: str, cfg: PeagleConfig) -> str:
-    """What to tell a user once the endpoint is up: the URL, a curl to try, where the statistics are."""
+def endpoint_banner(url: str, cfg: PeagleConfig, model: str) -> str:
+    """What to tell a user once the endpoint is up: the URL, a curl to try on `model`, where the statistics are."""
     auth = f' -H "Authorization: Bearer {cfg.serving.api_token}"' if cfg.serving.api_token else ""
-    body = (
-        '{"model": "MODEL", "messages": [{"role": "user", "content": "Write a haiku about CPUs."}], '
-        '"max_tokens": 64, "temperature": 0}'
-    )
+    messages = [{"role": "user", "content": "Write a haiku about CPUs."}]
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": 64, "temperature": 0})
     return "\n".join(
         [
             f"endpoint: {url}/v1 (OpenAI-compatible; models: curl{auth} {url}/v1/models)",

@@ -35,18 +35,16 @@ class ServedDecoder:
     reason: str = ""  # why this decoder (evaluation's verdict, or "asked for")
 
     def speculative_config(self, max_batch_size: int | None = None) -> dict | None:
-        """vLLM's speculative_config: None for the target alone; suffix decoding's own for suffix; the
-        drafter's (export.speculative_config) for the drafter and the hybrid."""
+        """vLLM's speculative_config: None for the target alone; suffix decoding's own for suffix (drafting at
+        every batch size); the drafter's (export.speculative_config; above `max_batch_size` running requests the
+        target decodes alone) for the drafter and the hybrid."""
         if self.decoder == "target":
             return None
         if self.decoder == "suffix":
-            spec: dict = {"method": "suffix", "num_speculative_tokens": self.k}
-            if max_batch_size is not None:
-                spec["num_speculative_tokens_per_batch_size"] = [
-                    [1, max_batch_size, self.k],
-                    [max_batch_size + 1, 1 << 30, 0],
-                ]
-            return spec
+            # no per-batch K (serving.draft_max_batch_size): vLLM 0.32's suffix proposer asserts that the K the
+            # scheduler asks for is its own, so a smaller one above the cutoff kills the engine (EngineDeadError
+            # at the second concurrent request). Its drafts cost a tree lookup, not a forward pass.
+            return {"method": "suffix", "num_speculative_tokens": self.k}
         assert self.drafter is not None  # served_decoder checks it
         return speculative_config(self.drafter, self.k, max_batch_size)
 

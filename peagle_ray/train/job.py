@@ -295,7 +295,7 @@ def _log_artifacts(
     """Config, provenance, plot and the drafter into the run; returns the registered version (if any)."""
     from peagle_ray.config import dump_config
     from peagle_ray.export.speculators import provenance
-    from peagle_ray.tracking import log_files, register_model
+    from peagle_ray.tracking import EXPORT_DIR_TAG, log_files, register_model
 
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
@@ -306,4 +306,5 @@ def _log_artifacts(
     log_files(uri, run_id, [run_dir / "config.yaml", run_dir / "provenance.json", plot], dirs={"drafter": export_dir})
     if not cfg.tracking.registered_model:
         return None
-    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter", cfg.adapt.alias)
+    tags = {EXPORT_DIR_TAG: str(Path(export_dir).resolve())}  # served from here while it exists
+    return register_model(uri, run_id, cfg.tracking.registered_model, "drafter", cfg.adapt.alias, tags)

@@ -6,6 +6,8 @@ continuous mode's round with too little traffic. Real Ray Serve, vLLM, Ray Train
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import threading
@@ -194,7 +196,10 @@ def run_loop(tiny_target: Path, tmp: Path, expected: dict[str, list[int]]) -> Ad
             except RuntimeError as err:
                 swap_error = str(err)
         after_failure = speculative_stats(url)
-        skipped = adapt_cycle(with_values(cfg, {"adapt.min_requests": 10_000}))  # continuous mode's round
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # continuous mode's round on the unchanged snapshot
+            skipped = adapt_cycle(cfg)
+        refusals["no new traffic"] = printed.getvalue()
         hybrid = with_values(cfg, {"serving.decoder": "hybrid", "serving.hybrid_threshold": 0.5})
         with Traffic(url, model, expected, "switching", pause_s=0.5) as switching:
             swap_drafter(hybrid, new_dir, "peagle-drafter/2", (new_dir, "peagle-drafter/2"))

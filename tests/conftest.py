@@ -27,6 +27,7 @@ ENGINE_FIXTURES = {
     "demo_run": "test_demo.py: the demo's run",
     "session": "test_capture.py: the Serve-hosted target",
     "endpoint": "test_serve.py: the endpoint",
+    "deploy": "test_serve_load.py: the endpoint, per decoder",
     "captured_data": "conftest: prepared and captured tiny data",
     "captured": "test_multinode.py: the capture job",
 }

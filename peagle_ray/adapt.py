@@ -179,19 +179,26 @@ def epochs_for(cfg: PeagleConfig, train_records: int) -> int:
 
 
 def decide(cfg: PeagleConfig, parent: Judged, child: Judged) -> Verdict:
-    """Promote or not, from each version's judged rows. The general suite's loss counts as forgetting only
-    where it is measurable: less two standard errors of the per-category differences (regression_error; the
-    loss itself without them) above adapt.max_regression.
+    """Promote or not, from each version's judged rows. The held-out AL gain must reach adapt.min_gain and be
+    measurable: beyond two standard errors of the per-request gains (gain_error: each held-out request timed by
+    both versions, paired). The general suite's loss counts as forgetting only where it is measurable: less
+    two standard errors of the per-category differences (regression_error; the loss itself without them)
+    above adapt.max_regression.
 
-    e.g. heldout AL 1.20 -> 1.65 and general 1.18 -> 1.17 with min_gain 0.05, max_regression 0.02 ->
-    Verdict(gain=0.45, regression=0.01, promote=True, why="...")."""
+    e.g. heldout AL 1.20 -> 1.65 (+0.45 +- 0.05 over the requests) and general 1.18 -> 1.17 with min_gain
+    0.05, max_regression 0.02 -> Verdict(gain=0.45, regression=0.01, promote=True, why="...")."""
     gain = child.heldout["acceptance_length"] - parent.heldout["acceptance_length"]
+    gain_se = gain_error(parent, child)
     regression = parent.general["acceptance_length"] - child.general["acceptance_length"]
     se = regression_error(parent, child)
     mismatches = child.heldout["greedy_mismatches"] + child.general["greedy_mismatches"]
     reasons = []
     if gain < cfg.adapt.min_gain:
         reasons.append(f"held-out AL gain {gain:+.3f} < adapt.min_gain {cfg.adapt.min_gain}")
+    elif gain_se is None:
+        reasons.append(f"held-out AL gain {gain:+.3f} has no error bar (fewer than 2 held-out requests timed)")
+    elif gain <= 2 * gain_se:
+        reasons.append(f"held-out AL gain {gain:+.3f} is within 2 standard errors (+- {gain_se:.3f}) of zero")
     if regression - 2 * (se or 0.0) > cfg.adapt.max_regression:
         spread = f" (+- {se:.3f} over its categories)" if se is not None else ""
         reasons.append(
@@ -200,12 +207,25 @@ def decide(cfg: PeagleConfig, parent: Judged, child: Judged) -> Verdict:
         )
     if mismatches and cfg.target.dtype == "float32":
         reasons.append(f"{mismatches} greedy outputs differ from the target's (float32 must be lossless)")
+    bar = f" +- {gain_se:.3f}" if gain_se is not None else ""
     return Verdict(
         round(gain, 4),
         round(regression, 4),
         not reasons,
-        "; ".join(reasons) or "held-out gain and general-suite loss within bounds",
+        "; ".join(reasons) or f"held-out gain {gain:+.3f}{bar} and general-suite loss within bounds",
     )
+
+
+def gain_error(parent: Judged, child: Judged) -> float | None:
+    """The standard error of the held-out AL gain, from the paired per-request gains (each held-out request's AL
+    under the new version less under the served one, over the requests both timed); None under 2.
+
+    e.g. per-request ALs [1.0, 1.5, 1.2] -> [1.4, 1.5, 1.6]: gains [0.4, 0.0, 0.4] -> 0.133."""
+    from peagle_ray.eval.metrics import standard_error
+
+    before = parent.heldout.get("prompt_acceptance_lengths") or []
+    after = child.heldout.get("prompt_acceptance_lengths") or []
+    return standard_error([b - a for a, b in zip(before, after, strict=False)])
 
 
 def regression_error(parent: Judged, child: Judged) -> float | None:
@@ -246,11 +266,12 @@ def judge(cfg: PeagleConfig, acfg: PeagleConfig, drafters: dict[str, Path], k: i
 
 
 def choose_decoder(cfg: PeagleConfig, acfg: PeagleConfig, export_dir: Path, k: int, drafter_row: Row):
-    """(Recommendation, {decoder: held-out row}): the drafter's held-out row (judge's) beside suffix decoding and
-    the hybrid of this drafter (adapt.decoders), timed side by side with the target alone on the held-out
-    traffic after generating the recent recorded training requests (adapt.warmup_requests: what a serving
-    endpoint's suffix cache holds); eval.metrics.pick_decoder's verdict. The hybrid on a vLLM release it was
-    not written for is a note, not a row."""
+    """(Recommendation, {decoder: held-out row, "target": the baseline's row}): the served drafter, suffix
+    decoding and the hybrid of this drafter (adapt.decoders) timed in one comparison, side by side with one
+    target-alone engine on the held-out traffic, after generating the recent recorded training requests
+    (adapt.warmup_requests: what a serving endpoint's suffix cache holds); eval.metrics.pick_decoder's verdict,
+    every row against the same baseline. With no other decoder to weigh, the drafter's held-out row from
+    judge (`drafter_row`) decides alone. The hybrid on a vLLM release it was not written for is a note."""
     from peagle_ray.eval import compare
     from peagle_ray.eval.metrics import pick_decoder
     from peagle_ray.hybrid import unsupported
@@ -269,10 +290,17 @@ def choose_decoder(cfg: PeagleConfig, acfg: PeagleConfig, export_dir: Path, k: i
     if peers:
         heldout = traffic_prompts(acfg, "validation")
         progress = lambda what: print(f"[adapt] decoders: {what}", flush=True)  # noqa: E731
+        candidates = [compare.drafter("drafter", export_dir, k), *peers]
         judged = compare.compare(
-            cfg, resolve_target_path(cfg), peers, {TRAFFIC: heldout}, cfg.eval.timing_prompts, progress
+            cfg, resolve_target_path(cfg), candidates, {TRAFFIC: heldout}, cfg.eval.timing_prompts, progress
         )
-        rows.update({name: row for name, row in judged.overall().items() if name != "target"})
+        if len(candidates) >= cfg.eval.engines_at_once:  # compare's groups, one target-alone engine each
+            print(
+                f"[adapt] decoders: eval.engines_at_once {cfg.eval.engines_at_once} timed them in groups, each "
+                "beside its own target-alone engine: compare their speedups, not their tokens/s",
+                flush=True,
+            )
+        rows.update(judged.overall())
     return pick_decoder(rows, k, exact=cfg.target.dtype == "float32"), rows
 
 

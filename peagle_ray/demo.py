@@ -272,34 +272,45 @@ def _workload_traffic(cfg: PeagleConfig, general: Path, label: str, stages: Stag
 
 
 def results_table(report: AdaptReport) -> str:
-    """The target alone, the general and the adapted drafter on the held-out requests (adapt's judge), with
-    the general suite's AL beside them (forgetting), then suffix decoding and the hybrid (adapt's decoders,
-    timed beside their own target-alone engine), as a markdown table; and what is served."""
-    measured, k = report.measured, report.k
-    parent = measured["parent"].heldout
+    """The held-out requests' table, every speedup against one baseline: the target alone, the served drafter,
+    suffix decoding and the hybrid from adapt's one decoder comparison (report.decoders), the other drafter
+    with its acceptance only (judged for promotion, not timed beside that baseline); the general suite's AL
+    beside the drafters (forgetting); and what is served."""
+    measured, k, session = report.measured, report.k, report.decoders
+    served_who = "new" if report.promote else "parent"
+    target = session.get("target") or {"tokens_per_s": measured["parent"].heldout["baseline_tokens_per_s"]}
     head = [
-        f"Held-out {report.samples.get('validation', 0)} recorded requests, greedy, batch 1, K = {k}",
+        f"Held-out {report.samples.get('validation', 0)} recorded requests, greedy, batch 1, K = {k}; "
+        "every speedup against the target alone of the same comparison",
         "",
         "| Decoder | AL | Acceptance per position | Tokens/s | Speedup | Mismatches | General-suite AL |",
         "|---|---:|---|---:|---:|---:|---:|",
-        f"| target alone | 1.00 | - | {parent['baseline_tokens_per_s']:.1f} | 1.00x | - | 1.00 |",
+        f"| target alone | 1.00 | - | {target['tokens_per_s']:.1f} | 1.00x | - | 1.00 |",
     ]
     rows = []
     for who, name in (("parent", f"general (v{report.parent_version})"), ("new", f"adapted (v{report.version})")):
-        rows.append(table_row(name, measured[who].heldout, f"{measured[who].general['acceptance_length']:.2f}"))
+        general = f"{measured[who].general['acceptance_length']:.2f}"
+        if "target" not in session:  # no decoder comparison ran: both drafters timed beside judge's baseline
+            rows.append(table_row(name, measured[who].heldout, general))
+        elif who == served_who:
+            rows.append(table_row(name, session["drafter"], general))
+        else:
+            rows.append(table_row(name, measured[who].heldout, general, timed=False))
     served_as = "adapted" if report.promote else "general"
     for decoder, name in (("suffix", "suffix decoding"), ("hybrid", f"hybrid ({served_as} + suffix)")):
-        row = report.decoders.get(decoder)
+        row = session.get(decoder)
         if row is not None:
             rows.append(f"| {name} | failed: {row['failed']} |" if "failed" in row else table_row(name, row, "-"))
     verdict = f"adapted: {report.verdict.why}; promoted: {report.promote}"
     return "\n".join([*head, *rows, "", verdict, f"served: {report.recommendation}"])
 
 
-def table_row(name: str, row: Mapping, general_al: str) -> str:
+def table_row(name: str, row: Mapping, general_al: str, timed: bool = True) -> str:
+    """One row; `timed` False: acceptance only (a drafter not timed beside this table's baseline)."""
     spread = f" +- {row['speedup_se']:.2f}" if row.get("speedup_se") else ""
     positions = " ".join(f"{p:.2f}" for p in row["acceptance_per_position"])
+    speed = f"{row['tokens_per_s']:.1f} | {row['speedup'] or 0:.2f}x{spread}" if timed else "- | - (AL judged only)"
     return (
-        f"| {name} | {row['acceptance_length']:.2f} | {positions} | {row['tokens_per_s']:.1f} | "
-        f"{row['speedup'] or 0:.2f}x{spread} | {row['greedy_mismatches']} | {general_al} |"
+        f"| {name} | {row['acceptance_length']:.2f} | {positions} | {speed} | {row['greedy_mismatches']} | "
+        f"{general_al} |"
     )

@@ -4,6 +4,7 @@ traffic, `adapt` fine-tunes the registered drafter on it, judges both versions w
 and promotes the new one and swaps it into the running endpoint while requests keep flowing."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from peagle_ray.adapt import (
     decide,
     decoder_metrics,
     epochs_for,
+    gain_error,
     regression_error,
     run_adapt,
     serve_adapting,
@@ -24,21 +26,42 @@ from peagle_ray.eval.metrics import pick_decoder
 from tests.helpers.adapt_loop import REPEATS, WORKLOAD, K
 
 
-def judged(heldout_al, general_al, wrong=0, by_category=()):
+def judged(heldout_al, general_al, wrong=0, by_category=(), requests=None):
+    """A version's judged rows; `requests`: its held-out per-request ALs (default: 3 requests at heldout_al)."""
     row = lambda al: {"acceptance_length": al, "greedy_mismatches": wrong}  # noqa: E731
-    return Judged(row(heldout_al), row(general_al), dict(enumerate(by_category)))
+    heldout = {**row(heldout_al), "prompt_acceptance_lengths": list(requests or [heldout_al] * 3)}
+    return Judged(heldout, row(general_al), dict(enumerate(by_category)))
 
 
 def test_promotion_rule():
     cfg = build_config({"adapt": {"min_gain": 0.05, "max_regression": 0.02}})
     parent = judged(1.2, 1.18)
     assert decide(cfg, parent, judged(1.65, 1.17)) == Verdict(
-        gain=0.45, regression=0.01, promote=True, why="held-out gain and general-suite loss within bounds"
+        gain=0.45,
+        regression=0.01,
+        promote=True,
+        why="held-out gain +0.450 +- 0.000 and general-suite loss within bounds",
     )
     held = decide(cfg, parent, judged(1.22, 1.1))
     assert not held.promote and "gain +0.020 < adapt.min_gain 0.05" in held.why
     assert "mt-bench AL loss 0.080 > adapt.max_regression 0.02" in held.why
     assert "greedy outputs differ" in decide(cfg, parent, judged(2, 1.2, wrong=1)).why
+
+
+def test_a_planted_tie_is_never_promoted():
+    """Stop 44's case: promoted at +0.0502 with no error bar. The same overall gain over requests that gain
+    and lose by turns is noise, not evidence; a gain with no per-request figures has no error bar."""
+    cfg = build_config({"adapt": {"min_gain": 0.05}})
+    parent = judged(1.25, 1.2, requests=[1.0, 1.5, 1.2, 1.3])
+    tie = judged(1.3002, 1.2, requests=[1.5, 1.2, 1.6, 0.9])  # per request +0.5 -0.3 +0.4 -0.4
+    verdict = decide(cfg, parent, tie)
+    assert not verdict.promote and verdict.gain == 0.0502
+    assert "held-out AL gain +0.050 is within 2 standard errors (+- 0.233) of zero" in verdict.why
+    assert gain_error(parent, tie) == pytest.approx(0.2327, abs=1e-4)
+    steady = judged(1.3002, 1.2, requests=[1.06, 1.55, 1.24, 1.35])  # +0.06 +0.05 +0.04 +0.05: measurable
+    assert decide(cfg, parent, steady).promote
+    unmeasured = decide(cfg, judged(1.25, 1.2, requests=[1.2]), judged(1.5, 1.2, requests=[1.5]))
+    assert not unmeasured.promote and "has no error bar (fewer than 2 held-out requests timed)" in unmeasured.why
 
 
 def test_a_general_suite_loss_within_its_noise_is_not_forgetting():
@@ -158,9 +181,14 @@ def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measure
     # requests, drafts whole answers; the random-then-adapted tiny drafter does not come close. Which is
     # fastest on the tiny target is the timing's to say (tests/test_eval.py plants a faster one)
     report = adapt_loop.report
-    assert set(report.decoders) == {"drafter", "suffix", "hybrid"}
+    assert set(report.decoders) == {"target", "drafter", "suffix", "hybrid"}
     assert all(row["greedy_mismatches"] == 0 and row["timed_prompts"] == 1 for row in report.decoders.values())
     assert report.decoders["suffix"]["acceptance_length"] > report.decoders["drafter"]["acceptance_length"]
+    # one comparison, one baseline: every row's speedup is its tokens/s over the one target-alone row's
+    base = report.decoders["target"]["tokens_per_s"]
+    for name, row in report.decoders.items():
+        assert row["baseline_tokens_per_s"] == base, name
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / base, abs=2e-3), name
     picked = pick_decoder(report.decoders, K)
     assert picked.reason in report.recommendation  # K asked for: drafted with the drafter where nothing won
     assert report.decoder == (picked.decoder if picked.draft else "drafter")
@@ -200,3 +228,38 @@ def test_the_registry_moves_the_alias_and_tags_the_measurements(adapt_loop):
     hybrid = adapt_loop.report.decoders["hybrid"]
     assert metrics["adapt/decoder_hybrid_speedup"] == pytest.approx(hybrid["speedup"])
     assert metrics["adapt/hybrid_suffix_drafts"] == hybrid["by_source"]["suffix"]["drafts"]
+
+
+def test_the_registry_verdict_is_read_only_for_the_version_it_judged():
+    from peagle_ray.export.speculators import Recommendation
+    from peagle_ray.serve.registry import registry_verdict
+
+    tags = {"served.decoder": "suffix", "served.k": "4", "served.version": "peagle-drafter/2", "served.why": "1.7x"}
+    assert registry_verdict(tags, "peagle-drafter/2", 3) == Recommendation(True, 4, "registry: 1.7x", "suffix")
+    assert registry_verdict(tags, "peagle-drafter/3", 3) is None  # it judged another version
+    alone = {**tags, "served.decoder": "target", "served.k": "0"}
+    assert registry_verdict(alone, "peagle-drafter/2", 3) == Recommendation(False, 3, "registry: 1.7x")
+    assert registry_verdict({}, "peagle-drafter/2", 3) is None
+
+
+def test_serve_without_a_drafter_serves_the_alias_and_its_recorded_verdict(adapt_loop, tmp_path):
+    from peagle_ray.config import with_values
+    from peagle_ray.layout import drafter_dir
+    from peagle_ray.serve.app import serving_decoder
+    from peagle_ray.serve.registry import default_drafter
+
+    report, cfg = adapt_loop.report, adapt_loop.cfg
+    chosen = default_drafter(cfg)
+    assert chosen.label == "peagle-drafter/2" and str(chosen.directory) == report.served_dir  # served.dir
+    assert "registry peagle-drafter: version 2 holds alias 'serving'" in chosen.why
+    verdict = chosen.drafter.recommendation
+    assert verdict is not None and verdict.reason == f"registry: {report.recommendation}"
+    served = serving_decoder(with_values(cfg, {"serving.drafter_version": chosen.label}), chosen.drafter)
+    assert served.decoder == report.decoder and served.k == K
+    version = MlflowClient(cfg.tracking.tracking_uri).get_model_version("peagle-drafter", "2")
+    assert version.tags["export_dir"] == report.export_dir  # where `serve` finds it on this machine
+    # no registry (no tracking URI, no local store): the training run's export, saying so
+    alone = with_values(cfg, {"tracking.tracking_uri": None, "training.storage_path": str(tmp_path)})
+    shutil.copytree(report.export_dir, drafter_dir(alone))
+    chosen = default_drafter(alone)
+    assert chosen.directory == drafter_dir(alone) and chosen.label is None and chosen.why.endswith("(no registry)")

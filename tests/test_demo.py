@@ -123,7 +123,7 @@ def test_the_endpoint_serves_the_decoder_its_heldout_measurement_chose(demo_run)
     # adapt timed suffix decoding and the hybrid beside the served drafter and the target alone; the endpoint
     # ends on its choice (the fastest measurably faster decoder, else the target alone), or - where that is
     # what it served already - stays as it was
-    assert set(report.decoders) == {"drafter", "suffix", "hybrid"}
+    assert set(report.decoders) == {"target", "drafter", "suffix", "hybrid"}
     assert "| suffix decoding |" in outcome.table and "| hybrid (" in outcome.table
     assert f"served: {report.recommendation}" in outcome.table
     assert isinstance(answers[0], str)
@@ -158,3 +158,41 @@ def test_mlflow_holds_both_versions_and_the_training_curve(demo_run):
     assert {str(v.version) for v in versions} == {report.parent_version, report.version}
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
     assert "peagle" in runs and client.get_metric_history(runs["peagle"].info.run_id, "train/loss")
+
+
+def test_the_results_table_takes_every_speedup_from_one_comparison():
+    from peagle_ray.adapt import AdaptReport, Judged, Verdict
+    from peagle_ray.demo import results_table
+
+    def row(al, tps, base, se=0.05):
+        return {
+            "acceptance_length": al,
+            "acceptance_per_position": [al - 1, 0.0],
+            "tokens_per_s": tps,
+            "baseline_tokens_per_s": base,
+            "speedup": round(tps / base, 3),
+            "speedup_se": se,
+            "greedy_mismatches": 0,
+        }
+
+    judged = {  # judge's session: its own baseline (15.7 tok/s), not the decoders'
+        "parent": Judged(row(1.23, 17.9, 15.7), {"acceptance_length": 1.21}),
+        "new": Judged(row(1.30, 18.5, 15.7), {"acceptance_length": 1.16}),
+    }
+    session = {  # the decoder comparison: one target-alone engine at 16.9 tok/s
+        "target": row(1.0, 16.9, 16.9, None),
+        "drafter": row(1.30, 19.6, 16.9),
+        "suffix": row(2.20, 29.1, 16.9),
+        "hybrid": row(2.12, 26.5, 16.9),
+    }
+    report = AdaptReport(
+        "peagle-drafter", "1", "2", 4, {"validation": 10}, 80, judged, Verdict(0.07, 0.05, True, "ok"),
+        "suffix", "suffix is served", "/x", "run", decoders=session,
+    )  # fmt: skip
+    lines = results_table(report).splitlines()
+    target = next(x for x in lines if x.startswith("| target alone |"))
+    assert "| 16.9 | 1.00x |" in target
+    assert next(x for x in lines if x.startswith("| adapted (v2) |")).count("| 19.6 | 1.16x +- 0.05 |") == 1
+    assert "| - | - (AL judged only) |" in next(x for x in lines if x.startswith("| general (v1) |"))
+    suffix = next(x for x in lines if x.startswith("| suffix decoding |"))
+    assert "| 29.1 | 1.72x +- 0.05 |" in suffix and round(29.1 / 16.9, 2) == 1.72  # speedup = its tok/s ratio

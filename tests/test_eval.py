@@ -12,10 +12,14 @@ from peagle_ray.eval.metrics import (
     EngineRun,
     SweepResult,
     fastest_k,
-    prompt_speedups,
+    pick_decoder,
+    prompt_acceptance_lengths,
     recommend_k,
+    selection_z,
+    speedup_and_error,
     standard_error,
     summarize,
+    timed_pairs,
 )
 from peagle_ray.eval.report import format_table
 from peagle_ray.eval.sweep import set_drafter_k, write_recommendation
@@ -64,6 +68,7 @@ def test_summarize_per_category_and_overall():
         "timed_prompts": 0,
         "step_cost_vs_target": 1.25,
         "greedy_mismatches": 0,
+        "prompt_acceptance_lengths": [],
     }
     # timing AL 2.5 at 2.0x: a step costs 1.25 target steps; math: AL 1.25 at 1.25x -> 1.0
     assert rows["math"]["greedy_mismatches"] == 1 and rows["math"]["speedup"] == 1.25
@@ -115,14 +120,48 @@ def test_drafting_is_recommended_only_when_measurably_faster_than_the_target_alo
     assert recommend_k(by_k_at({3: (1.2, None)})).draft  # one timed prompt: the point estimate decides
 
 
-def test_per_prompt_speedups_and_their_standard_error():
-    assert prompt_speedups([[10, 1.0], [10, 2.0]], [[10, 2.0], [10, 2.0]]) == [2.0, 1.0]
+def test_the_speedup_and_its_error_come_from_one_estimator():
+    # the ratio of the two engines' tokens/s over all timed prompts, its error by the delta method on it
+    pairs = [(10, 1.0, 10, 2.0), (10, 2.0, 10, 2.0)]
+    ratio, se = speedup_and_error(pairs)
+    assert ratio == pytest.approx(4 / 3) and se == pytest.approx(0.4444, abs=1e-4)
+    assert speedup_and_error(pairs[:1]) == (2.0, None) and speedup_and_error([]) == (None, None)
+    # a long prompt weighs as its tokens do: not the mean of per-prompt ratios (1.5x and 1.0x -> 1.25)
+    long_short = [(90, 3.0, 90, 4.5), (10, 1.0, 10, 1.0)]
+    assert speedup_and_error(long_short)[0] == pytest.approx((100 / 4.0) / (100 / 5.5))
+    # equal ratios on every prompt: no spread
+    assert speedup_and_error([(10, 1.0, 10, 2.0), (20, 2.0, 20, 4.0)])[1] == pytest.approx(0.0, abs=1e-12)
+    assert timed_pairs([[10, 1.0, 3, 5], [8, 0.0, 0, 0]], [[10, 2.0], [8, 1.0]]) == [(10, 1.0, 10, 2.0)]
+    assert prompt_acceptance_lengths([[12, 1.0, 4, 6], [5, 0.5, 0, 0], [3, 0.1]]) == [2.5, 1.0]
     assert standard_error([2.0, 1.0]) == pytest.approx(0.5) and standard_error([1.3]) is None
-    per_prompt = lambda run: {c: {**t, "per_prompt": [[t["tokens"], t["seconds"]]]} for c, t in run.timing.items()}  # noqa: E731
+
+    def per_prompt(run):
+        return {c: {**t, "per_prompt": [[t["tokens"], t["seconds"], 4, 6]]} for c, t in run.timing.items()}
+
     base, run = (EngineRun(r.acceptance, per_prompt(r)) for r in (BASELINE, RUN))
     rows = summarize(3, base, run)
     assert rows["coding"]["timed_prompts"] == 1 and rows["coding"]["speedup_se"] is None
-    assert rows["overall"]["timed_prompts"] == 2 and rows["overall"]["speedup_se"] == pytest.approx(0.375, abs=1e-3)
+    overall = rows["overall"]
+    # every table row's speedup is its tokens/s over its baseline's, and the error is of that same ratio
+    assert overall["speedup"] == pytest.approx(overall["tokens_per_s"] / overall["baseline_tokens_per_s"], abs=1e-3)
+    assert overall["timed_prompts"] == 2 and overall["speedup_se"] == pytest.approx(
+        speedup_and_error([(100, 5.0, 100, 10.0), (50, 4.0, 50, 5.0)])[1], abs=1e-3
+    )
+    assert overall["prompt_acceptance_lengths"] == [2.5, 2.5]
+
+
+def test_the_best_of_several_must_clear_a_higher_bar():
+    assert [round(selection_z(m), 3) for m in (1, 2, 3, 4)] == [2.0, 2.278, 2.428, 2.531]
+    # 1.10x +- 0.045: 2.2 standard errors above 1 - enough alone, not as the best of 3 decoders
+    alone = pick_decoder({"suffix": {"speedup": 1.10, "speedup_se": 0.045, "timed_prompts": 10}}, 4)
+    assert alone.draft and alone.decoder == "suffix" and "must clear 1 by 2.00 standard errors" in alone.reason
+    rows = {
+        "suffix": {"speedup": 1.10, "speedup_se": 0.045, "timed_prompts": 10},
+        "drafter": {"speedup": 0.95, "speedup_se": 0.02, "timed_prompts": 10},
+        "hybrid": {"speedup": 1.02, "speedup_se": 0.05, "timed_prompts": 10},
+    }
+    best_of_three = pick_decoder(rows, 4)
+    assert not best_of_three.draft and "best of 3: must clear 1 by 2.43 standard errors" in best_of_three.reason
 
 
 def test_no_drafting_serves_the_target_alone_and_says_why(tmp_path):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from peagle_ray.hybrid import (
+    ENGINE_ARGS,
     STATS,
     VLLM_VERSION,
     StatsFile,
@@ -16,6 +17,7 @@ from peagle_ray.hybrid import (
     engine_config,
     hybrid_proposer,
     read_stats,
+    runner_problem,
     unsupported,
 )
 from peagle_ray.spec_counters import SpecStats
@@ -101,3 +103,56 @@ def test_the_counts_per_source_reach_another_process_through_a_file(tmp_path):
         STATS.clear()
     path.write_text("{half")
     assert read_stats(path) == {}
+
+
+class _Runner032:
+    """The two methods the plugin wraps, with vLLM 0.32.0's parameters."""
+
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ): ...
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None): ...
+
+
+def test_the_plugin_patches_only_the_runner_signatures_it_was_written_for():
+    assert runner_problem(_Runner032, VLLM_VERSION) is None
+    assert runner_problem(_Runner032, "0.33.0") == unsupported("0.33.0")
+
+    class Changed(_Runner032):
+        def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, draft_state): ...
+
+    problem = runner_problem(Changed, VLLM_VERSION)
+    assert problem is not None and "Changed.propose_draft_token_ids" in problem
+    assert "('self', 'scheduler_output', 'sampled_token_ids', 'draft_state')" in problem and "not patched" in problem
+
+    class Missing:
+        pass
+
+    assert "Missing.propose_draft_token_ids" in (runner_problem(Missing, VLLM_VERSION) or "")
+
+
+@pytest.mark.vllm
+def test_the_installed_vllm_has_the_runner_the_plugin_wraps():
+    """Fails the day vLLM changes the model runner underneath the hybrid (then re-pin, as Arctic Inference does)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert runner_problem(GPUModelRunner) is None
+    assert getattr(GPUModelRunner, "_peagle_hybrid", True) is not False
+
+
+def test_hybrid_engines_turn_async_scheduling_off_explicitly():
+    from peagle_ray.engine import cli_args
+
+    assert ENGINE_ARGS == {"async_scheduling": False}
+    assert cli_args({"enforce_eager": False, **ENGINE_ARGS}) == ["--no-async-scheduling"]
+    assert cli_args({"async_scheduling": None, "enforce_eager": True}) == ["--enforce-eager"]

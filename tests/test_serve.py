@@ -350,3 +350,65 @@ def test_bench_load_against_the_endpoint(endpoint, tiny_target):
     assert result["requests"] == 8 and result["errors"] == 0, result["error_examples"]
     assert 0 < result["p50_latency_s"] <= result["p99_latency_s"] and result["tokens_per_s"] > 0
     assert result["speculative_stats"]["drafts"] > 0
+
+
+def asgi_call(app, path="/v1/completions") -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one HTTP request through an ASGI app."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start.get("headers", [])}, body
+
+
+def test_a_dead_engine_answers_503_with_retry_after_never_an_opaque_500():
+    from peagle_ray.serve.app import RETRY_AFTER_S, EngineGuard
+
+    state = {"dead": None, "status": 200}
+
+    async def vllm_app(scope, receive, send):  # vLLM's app: a 500 once its engine died under the request
+        await send({"type": "http.response.start", "status": state["status"], "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": "EngineDeadError"}'})
+
+    guard = EngineGuard(vllm_app, lambda: state["dead"])
+    assert asgi_call(guard)[::2] == (200, b'{"error": "EngineDeadError"}')  # alive: untouched
+    state["status"] = 500
+    assert asgi_call(guard)[0] == 500  # a 500 of a live engine is vLLM's to give
+    state["dead"] = "the engine died"
+    for path in ("/v1/completions", "/health"):  # refused before vLLM sees it
+        status, headers, body = asgi_call(guard, path)
+        assert status == 503 and headers["retry-after"] == str(RETRY_AFTER_S)
+        assert json.loads(body)["error"] == {
+            "message": "the engine died",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+
+    dying = {"calls": 0}
+
+    def dies_during_the_request():
+        dying["calls"] += 1
+        return None if dying["calls"] == 1 else "died mid-request"
+
+    status, headers, body = asgi_call(EngineGuard(vllm_app, dies_during_the_request))
+    assert status == 503 and json.loads(body)["error"]["message"] == "died mid-request"  # vLLM's body dropped
+
+
+def test_the_curl_line_names_the_served_model():
+    from peagle_ray.serve.app import endpoint_banner
+
+    banner = endpoint_banner("http://127.0.0.1:8000", build_config({}), "SmolLM2-135M-Instruct")
+    [line] = [x for x in banner.splitlines() if x.startswith("try:")]
+    body = json.loads(line.split(" -d '")[1].rstrip("'"))
+    assert body["model"] == "SmolLM2-135M-Instruct" and "MODEL" not in banner

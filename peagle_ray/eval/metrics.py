@@ -22,12 +22,13 @@ class Row(TypedDict):
     tokens_per_s: float  # timed prompts, batch 1
     baseline_tokens_per_s: float  # the target alone on the same prompts
     speedup: float | None
-    speedup_se: float | None  # standard error over the timed prompts' speedups (None under 2)
+    speedup_se: float | None  # its standard error, same estimator (speedup_and_error; None under 2 prompts)
     timed_prompts: int
     step_cost_vs_target: float | None  # one draft-and-verify step in target decode steps
     greedy_mismatches: int  # prompts whose greedy output differs from the target alone's
     speedup_vs_eagle3: NotRequired[float | None]  # P-EAGLE's rows, when both algorithms ran
     by_source: NotRequired[dict[str, dict]]  # the hybrid's counts per source (SpecStats.to_json())
+    prompt_acceptance_lengths: NotRequired[list[float]]  # each timed prompt's AL, in order (paired gains)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ def summarize(k: int, baseline: EngineRun, run: EngineRun) -> dict[str, Row]:
             b["tokens"],
             b["seconds"],
             wrong,
-            prompt_speedups(t.get("per_prompt", []), b.get("per_prompt", [])),
+            timed_pairs(t.get("per_prompt", []), b.get("per_prompt", [])),
+            prompt_acceptance_lengths(t.get("per_prompt", [])),
         )
         rows[category] = _row(k, *part)
         parts.append(part)
@@ -144,11 +146,41 @@ def summarize(k: int, baseline: EngineRun, run: EngineRun) -> dict[str, Row]:
     return rows
 
 
-def prompt_speedups(timed: list[list[float]], baseline: list[list[float]]) -> list[float]:
-    """Per timed prompt, its tokens/s over the target alone's on the same prompt ([tokens, seconds] pairs).
+def timed_pairs(timed: list[list[float]], baseline: list[list[float]]) -> list[tuple[float, float, float, float]]:
+    """Per timed prompt (tokens, seconds, the target alone's tokens, its seconds) from the engines' per-prompt
+    [tokens, seconds, ...] entries, the prompts both timed (seconds > 0).
 
-    e.g. [[10, 1.0], [10, 2.0]] against [[10, 2.0], [10, 2.0]] -> [2.0, 1.0]."""
-    return [(n / s) / (bn / bs) for (n, s), (bn, bs) in zip(timed, baseline, strict=True) if s and bn and bs]
+    e.g. [[10, 1.0, 3, 5]] against [[10, 2.0]] -> [(10, 1.0, 10, 2.0)]."""
+    return [(t[0], t[1], b[0], b[1]) for t, b in zip(timed, baseline, strict=True) if t[1] and b[0] and b[1]]
+
+
+def speedup_and_error(pairs: list[tuple[float, float, float, float]]) -> tuple[float | None, float | None]:
+    """The speedup over the target alone as the ratio of the two engines' tokens/s over all timed prompts,
+    (sum n / sum s) / (sum bn / sum bs), and its standard error from the same estimator (the delta method on
+    the per-prompt means: SE = R * sd(z) / sqrt(m), z_i = n_i/mean(n) - s_i/mean(s) - bn_i/mean(bn) +
+    bs_i/mean(bs)); (None, None) with nothing timed, the error None under 2 prompts. Long and short prompts
+    weigh as their tokens do, in the speedup and in its error alike.
+
+    e.g. [(10, 1.0, 10, 2.0), (10, 2.0, 10, 2.0)] -> R = (20 / 3) / (20 / 4) = 1.333; z = [1/3, -1/3],
+    sd(z) = 0.471 -> SE = 1.333 * 0.471 / sqrt(2) = 0.444."""
+    m = len(pairs)
+    if m == 0:
+        return None, None
+    means = [sum(column) / m for column in zip(*pairs, strict=True)]
+    n, s, bn, bs = means
+    ratio = (n / s) / (bn / bs)
+    if m < 2:
+        return ratio, None
+    z = [p[0] / n - p[1] / s - p[2] / bn + p[3] / bs for p in pairs]
+    return ratio, ratio * (sum(v * v for v in z) / (m - 1) / m) ** 0.5  # mean(z) = 0 by construction
+
+
+def prompt_acceptance_lengths(timed: list[list[float]]) -> list[float]:
+    """Per timed prompt, its AL from the engine's per-prompt [tokens, seconds, drafts, accepted tokens]
+    entries (1.0 where it drafted nothing; entries without counters are left out).
+
+    e.g. [[12, 1.0, 4, 6], [5, 0.5, 0, 0], [3, 0.1]] -> [2.5, 1.0]."""
+    return [1 + t[3] / t[2] if t[2] else 1.0 for t in timed if len(t) >= 4]
 
 
 def standard_error(values: list[float]) -> float | None:
@@ -168,11 +200,13 @@ def _row(
     base_tokens,
     base_seconds,
     mismatches,
-    speedups: list[float],
+    pairs: list[tuple[float, float, float, float]],
+    prompt_als: list[float],
 ) -> Row:
     tps = tokens / seconds if seconds else 0.0
     base = base_tokens / base_seconds if base_seconds else 0.0
-    speedup = tps / base if base else None
+    speedup = tps / base if base else None  # = speedup_and_error's ratio where every timed prompt is paired
+    se = speedup_and_error(pairs)[1]
     return Row(
         k=k,
         acceptance_per_position=[round(r, 4) for r in counters.acceptance_per_position],
@@ -180,10 +214,11 @@ def _row(
         tokens_per_s=round(tps, 2),
         baseline_tokens_per_s=round(base, 2),
         speedup=round(speedup, 3) if speedup else None,
-        speedup_se=None if (se := standard_error(speedups)) is None else round(se, 3),
-        timed_prompts=len(speedups),
+        speedup_se=None if se is None else round(se, 3),
+        timed_prompts=len(pairs),
         step_cost_vs_target=round(timed_counters.acceptance_length / speedup, 3) if speedup else None,
         greedy_mismatches=mismatches,
+        prompt_acceptance_lengths=[round(al, 4) for al in prompt_als],
     )
 
 
@@ -192,22 +227,35 @@ def fastest_k(by_k: ByK) -> int:
     return max(sorted(by_k), key=lambda k: by_k[k]["overall"]["tokens_per_s"])
 
 
+def selection_z(candidates: int) -> float:
+    """How many standard errors the best of `candidates` measured speedups must clear above 1: 2 for one
+    (one-sided, P(Z > 2) = 0.0228), more for the best of several, which is picked because it measured high
+    (Bonferroni: P(Z > z) = 0.0228 / candidates). e.g. 1 -> 2.0, 2 -> 2.278, 3 -> 2.428, 4 -> 2.531."""
+    from statistics import NormalDist
+
+    normal = NormalDist()
+    return normal.inv_cdf(1 - (1 - normal.cdf(2.0)) / max(1, candidates))
+
+
 def recommend_k(by_k: ByK) -> Recommendation:
     """Draft at the fastest K only when it is measurably faster than the target alone: its overall speedup less
-    two standard errors of the per-prompt speedups (the speedup itself when under 2 prompts were timed) must
-    be above 1. Otherwise the recommendation is no drafting, and says why.
+    selection_z(the K values measured) standard errors (the speedup itself when under 2 prompts were timed)
+    must be above 1. Otherwise the recommendation is no drafting, and says why.
 
-    e.g. fastest K 4 at 1.30x +- 0.05 -> draft at K = 4; at 1.05x +- 0.04 -> no drafting (1.05 - 0.08 <= 1)."""
+    e.g. of K 2 and 4, the fastest K 4 at 1.30x +- 0.05 -> draft at K = 4; at 1.05x +- 0.04 -> no drafting
+    (1.05 - 2.278 x 0.04 <= 1)."""
     k = fastest_k(by_k)
     overall = by_k[k]["overall"]
     speedup, se = overall.get("speedup"), overall.get("speedup_se")
+    z = selection_z(len(by_k))
     spread = (
-        f"+- {se:.2f} (standard error over {overall.get('timed_prompts')} timed prompts)"
+        f"+- {se:.2f} (standard error over {overall.get('timed_prompts')} timed prompts; best of {len(by_k)} "
+        f"K values: must clear 1 by {z:.2f} standard errors)"
         if se
         else "(spread unknown: fewer than 2 timed prompts)"
     )
     measured = f"the fastest K = {k} ran at {speedup or 0:.2f}x the target alone {spread}"
-    if speedup is not None and speedup - 2 * (se or 0.0) > 1.0:
+    if speedup is not None and speedup - z * (se or 0.0) > 1.0:
         return Recommendation(True, k, measured)
     return Recommendation(False, k, f"no K is measurably faster than the target alone: {measured}")
 
@@ -216,14 +264,17 @@ SIMPLEST_FIRST = ("suffix", "drafter", "hybrid")  # suffix decoding runs no draf
 
 
 def pick_decoder(rows: dict[str, dict], k: int, exact: bool = True) -> Recommendation:
-    """The decoder to serve from each one's overall row against the target alone on the same prompts
-    ({"drafter" | "suffix" | "hybrid": Row, or {"failed": why}}): among those measurably faster (recommend_k's
-    rule: speedup less two standard errors above 1; with `exact`, float32, no greedy mismatch), the fastest,
-    except that a simpler one (SIMPLEST_FIRST) within the fastest's standard error of it wins, so that a
-    verdict does not flip on noise. None of them: the target alone.
+    """The decoder to serve from each one's overall row against the target alone on the same prompts, all
+    from one comparison ({"drafter" | "suffix" | "hybrid": Row, or {"failed": why}; "target" is ignored):
+    among those measurably faster (speedup less selection_z(decoders measured) standard errors above 1: the
+    best of several is picked because it measured high; with `exact`, float32, no greedy mismatch), the
+    fastest, except that a simpler one (SIMPLEST_FIRST) within the fastest's standard error of it wins, so
+    that a verdict does not flip on noise. None of them: the target alone.
 
-    e.g. suffix 1.80x +- 0.10, drafter 0.93x +- 0.02, hybrid 1.85x +- 0.10 -> suffix (1.80 >= 1.85 - 0.10)."""
+    e.g. suffix 1.80x +- 0.10, drafter 0.93x +- 0.02, hybrid 1.85x +- 0.10 -> suffix (1.80 - 2.428 x 0.10 > 1,
+    and 1.80 >= 1.85 - 0.10)."""
     measured = {name: rows[name] for name in SIMPLEST_FIRST if name in rows and "failed" not in rows[name]}
+    z = selection_z(len(measured))
 
     def spread(row) -> float:
         return row.get("speedup_se") or 0.0
@@ -231,7 +282,7 @@ def pick_decoder(rows: dict[str, dict], k: int, exact: bool = True) -> Recommend
     def faster(row) -> bool:
         speedup = row.get("speedup")
         lossless = not (exact and row.get("greedy_mismatches"))
-        return speedup is not None and speedup - 2 * spread(row) > 1.0 and lossless
+        return speedup is not None and speedup - z * spread(row) > 1.0 and lossless
 
     summary = "; ".join(
         f"{name} {row.get('speedup') or 0:.2f}x +- {spread(row):.2f}"
@@ -239,7 +290,10 @@ def pick_decoder(rows: dict[str, dict], k: int, exact: bool = True) -> Recommend
         for name, row in measured.items()
     )
     timed = max((row.get("timed_prompts") or 0 for row in measured.values()), default=0)
-    measured_line = f"{summary} the target alone's speed at K = {k} over {timed} timed prompts"
+    measured_line = (
+        f"{summary} the target alone's speed at K = {k} over {timed} timed prompts (best of {len(measured)}: "
+        f"must clear 1 by {z:.2f} standard errors)"
+    )
     eligible = [name for name, row in measured.items() if faster(row)]
     if not eligible:
         return Recommendation(False, k, f"nothing measurably faster than the target alone: {measured_line}")

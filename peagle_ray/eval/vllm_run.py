@@ -7,7 +7,8 @@ SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_t
        "acceptance": {category: [prompt ids, ...]}, "timing": {category: n (the first n acceptance prompts)},
        "warmup": [prompt ids, ...] (optional: generated first, e.g. to fill suffix decoding's response cache)}
 OUT:  {"acceptance": {category: {"tokens": [[ids]...], "counters": {...}}},
-       "timing": {category: {"tokens": n, "seconds": s, "per_prompt": [[tokens, seconds], ...], "counters": {...}}},
+       "timing": {category: {"tokens": n, "seconds": s, "per_prompt": [[tokens, seconds, drafts, accepted], ...],
+                  "counters": {...}}},
        "engine_start_s": s}
 
 The process reads one JSON command per line on stdin and answers each with one JSON line on file
@@ -79,8 +80,9 @@ class Decoder:
         seconds = time.perf_counter() - start
         ids = list(output.outputs[0].token_ids)
         self.tokens[category].append(ids)
-        self.per_prompt[category].append([len(ids), seconds])
-        self.timing[category] = self.timing[category] + self.stats().minus(before)
+        counts = self.stats().minus(before)
+        self.per_prompt[category].append([len(ids), seconds, counts.drafts, counts.accepted_tokens])
+        self.timing[category] = self.timing[category] + counts
         self.timing_sources[category] = added(self.timing_sources[category], since(sources))
         return [len(ids), seconds]
 
@@ -90,8 +92,8 @@ class Decoder:
         for category, prompts in self.spec["acceptance"].items():
             timed, counts = self.per_prompt[category], self.timing[category]
             out["timing"][category] = {
-                "tokens": sum(n for n, _ in timed),
-                "seconds": sum(s for _, s in timed),
+                "tokens": sum(t[0] for t in timed),
+                "seconds": sum(t[1] for t in timed),
                 "per_prompt": timed,
                 "counters": counts.__dict__,
             }

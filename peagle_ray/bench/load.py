@@ -13,10 +13,11 @@ import json
 import statistics
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.options import Opt
 
 
@@ -85,37 +86,79 @@ def run(
     requests_per_client: Annotated[int, Opt("Requests each client sends.")] = 2,
     max_tokens: Annotated[int, Opt("Tokens per request.")] = 64,
     drafter_dir: Annotated[Path | None, Opt("Drafter for an endpoint this command starts.", flag="--drafter")] = None,
+    decoders: Annotated[
+        list[str] | None,
+        Opt(
+            "Serve each of these decoders in turn (target drafter suffix hybrid) and load each at every "
+            "--client-counts; default: the config's serving.decoder, at --clients.",
+            flag="--decoders",
+        ),
+    ] = None,  # fmt: skip
+    client_counts: Annotated[
+        list[int] | None, Opt("Client counts for --decoders (default: 1 8 32).", flag="--client-counts")
+    ] = None,
 ) -> dict:
+    """One endpoint under `clients` concurrent clients; with `decoders`, a matrix: each decoder served in turn
+    (one endpoint each, configs' other serving settings kept) under each of `client_counts`: {"rows": [...]}."""
+    if decoders:
+        if url is not None:
+            raise ConfigError("bench load --decoders starts its own endpoints; --url serves one decoder")
+        from peagle_ray.config import with_values
+
+        rows = []
+        for decoder in decoders:
+            served = with_values(cfg, {"serving.decoder": decoder})
+            with endpoint(served, drafter_dir) as started:
+                for n in client_counts or [1, 8, 32]:
+                    row = load_once(served, started, n, requests_per_client, max_tokens)
+                    rows.append({"decoder": decoder, **row})
+                    print(
+                        f"[bench load] {decoder} at {n} clients: {row['errors']} errors, p50 {row['p50_latency_s']} "
+                        f"s, p99 {row['p99_latency_s']} s, {row['tokens_per_s']} tok/s",
+                        flush=True,
+                    )
+        return {"max_tokens": max_tokens, "requests_per_client": requests_per_client, "rows": rows}
+    if url is not None:
+        return load_once(cfg, url, clients, requests_per_client, max_tokens)
+    with endpoint(cfg, drafter_dir) as started:
+        return load_once(cfg, started, clients, requests_per_client, max_tokens)
+
+
+@contextmanager
+def endpoint(cfg: PeagleConfig, drafter_dir: Path | None):
+    """The endpoint started from the config with `drafter_dir` (default: the training run's export, if any);
+    yields its URL, stops it afterwards."""
+    from ray import serve
+
+    from peagle_ray.cluster import ensure_ray
+    from peagle_ray.export.speculators import read_drafter
+    from peagle_ray.layout import drafter_dir as default_drafter
+    from peagle_ray.serve.app import start_endpoint, stop_endpoint
     from peagle_ray.target import resolve_target_path
 
-    target = resolve_target_path(cfg)
-    started_here = url is None
-    if started_here:
-        from peagle_ray.cluster import ensure_ray
-        from peagle_ray.export.speculators import read_drafter
-        from peagle_ray.layout import drafter_dir as default_drafter
-        from peagle_ray.serve.app import start_endpoint
-
-        ensure_ray()
-        drafter = Path(drafter_dir) if drafter_dir else default_drafter(cfg)
-        url = start_endpoint(cfg, target, read_drafter(drafter) if (drafter / "config.json").is_file() else None)
-    assert url is not None  # given, or the endpoint started above
+    ensure_ray()
+    drafter = Path(drafter_dir) if drafter_dir else default_drafter(cfg)
+    info = read_drafter(drafter) if (drafter / "config.json").is_file() else None
     try:
-        result = asyncio.run(
-            _load(url, target.name, cfg.serving.api_token, load_prompts(), clients, requests_per_client, max_tokens)
-        )
-        request = urllib.request.Request(
-            f"{url}/v1/speculative_stats",
-            headers=({"Authorization": f"Bearer {cfg.serving.api_token}"} if cfg.serving.api_token else {}),
-        )
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            result["speculative_stats"] = json.loads(resp.read())
+        yield start_endpoint(cfg, resolve_target_path(cfg), info)
     finally:
-        if started_here:
-            from ray import serve
+        stop_endpoint()
+        serve.shutdown()
 
-            from peagle_ray.serve.app import stop_endpoint
 
-            stop_endpoint()
-            serve.shutdown()
+def load_once(cfg: PeagleConfig, url: str, clients: int, requests_per_client: int, max_tokens: int) -> dict:
+    """`clients` concurrent clients against the endpoint at `url`, and its /v1/speculative_stats after."""
+    from peagle_ray.serve.app import served_model
+    from peagle_ray.target import resolve_target_path
+
+    model = served_model(resolve_target_path(cfg))
+    result = asyncio.run(
+        _load(url, model, cfg.serving.api_token, load_prompts(), clients, requests_per_client, max_tokens)
+    )
+    request = urllib.request.Request(
+        f"{url}/v1/speculative_stats",
+        headers=({"Authorization": f"Bearer {cfg.serving.api_token}"} if cfg.serving.api_token else {}),
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        result["speculative_stats"] = json.loads(resp.read())
     return {"endpoint": url, "max_tokens": max_tokens, **result}

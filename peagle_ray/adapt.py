@@ -195,9 +195,7 @@ def decide(cfg: PeagleConfig, parent: Judged, child: Judged) -> Verdict:
     reasons = []
     if gain < cfg.adapt.min_gain:
         reasons.append(f"held-out AL gain {gain:+.3f} < adapt.min_gain {cfg.adapt.min_gain}")
-    elif gain_se is None:
-        reasons.append(f"held-out AL gain {gain:+.3f} has no error bar (fewer than 2 held-out requests timed)")
-    elif gain <= 2 * gain_se:
+    elif gain_se is not None and gain <= 2 * gain_se:
         reasons.append(f"held-out AL gain {gain:+.3f} is within 2 standard errors (+- {gain_se:.3f}) of zero")
     if regression - 2 * (se or 0.0) > cfg.adapt.max_regression:
         spread = f" (+- {se:.3f} over its categories)" if se is not None else ""
@@ -207,7 +205,7 @@ def decide(cfg: PeagleConfig, parent: Judged, child: Judged) -> Verdict:
         )
     if mismatches and cfg.target.dtype == "float32":
         reasons.append(f"{mismatches} greedy outputs differ from the target's (float32 must be lossless)")
-    bar = f" +- {gain_se:.3f}" if gain_se is not None else ""
+    bar = f" +- {gain_se:.3f}" if gain_se is not None else " (no error bar: under 2 held-out requests timed)"
     return Verdict(
         round(gain, 4),
         round(regression, 4),

@@ -23,6 +23,7 @@ batch's token ids end before the tokens the step just sampled (`sampled` rows, -
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -209,6 +210,7 @@ def slowed_forward(execute_model):
     acceptance length is worth where the drafter is a small part of the step); unchanged otherwise. Once per
     engine step that runs the target on some tokens, speculative or not."""
 
+    @functools.wraps(execute_model)  # keeps the runner's signature visible (runner_problem)
     def execute(self, scheduler_output, *args, **kwargs):
         delay = self.__dict__.get("_peagle_step_s")
         if delay is None:
@@ -231,6 +233,7 @@ def hybrid_proposer(drafter_proposes, vllm_version: str):
     additional_config does not ask for it proposes as before; one on another vLLM release (`unsupported`) or
     without an EAGLE-3 / P-EAGLE drafter logs one error and the drafter alone drafts."""
 
+    @functools.wraps(drafter_proposes)  # keeps the runner's signature visible (runner_problem)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         drafts = drafter_proposes(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         hybrid = self.__dict__.get("_peagle_suffix")

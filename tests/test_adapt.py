@@ -25,6 +25,10 @@ from peagle_ray.config import ConfigError, build_config
 from peagle_ray.eval.metrics import pick_decoder
 from tests.helpers.adapt_loop import REPEATS, WORKLOAD, K
 
+# the session's adapt_loop fixture (its setup counts against the first test using it) now times the served
+# drafter beside suffix and the hybrid in one comparison: ~12-15 min on a slow day, over the 900 s default
+pytestmark = pytest.mark.timeout(1800)
+
 
 def judged(heldout_al, general_al, wrong=0, by_category=(), requests=None):
     """A version's judged rows; `requests`: its held-out per-request ALs (default: 3 requests at heldout_al)."""

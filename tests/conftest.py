@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle_ray.tiny_target import build_tiny_target
+from tests.helpers.tiny_target import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY_TIERS = ("ray", "vllm", "slow", "gpu")
@@ -102,7 +102,7 @@ def tiny_target(tmp_path_factory) -> Path:
 def family_target(tmp_path_factory):
     """build(name) -> HF directory of tiny_target.FAMILIES[name] (llama3, qwen3, gpt-oss-rope), built once per
     session: the real families' architectures, vocabulary sizes, ropes and head tying at a tiny width."""
-    from peagle_ray.tiny_target import FAMILIES
+    from tests.helpers.tiny_target import FAMILIES
 
     built: dict[str, Path] = {}
 

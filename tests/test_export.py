@@ -18,10 +18,10 @@ from peagle_ray.drafter.replay import Acceptance, replay_greedy
 from peagle_ray.drafter.vocab import count_tokens
 from peagle_ray.engine import vllm_cpu_env
 from peagle_ray.export.speculators import PROVENANCE, export_drafter
-from peagle_ray.tiny_target import GPT_OSS_ROPE, TinyTargetSpec, build_tiny_target, family_spec
 from peagle_ray.train.elements import TrainSequence
 from peagle_ray.train.step import train_drafter
 from tests.conftest import REPO
+from tests.helpers.tiny_target import GPT_OSS_ROPE, TinyTargetSpec, build_tiny_target, family_spec
 
 K, PROMPT, GENERATED = 3, 16, 40
 

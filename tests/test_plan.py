@@ -89,7 +89,7 @@ def test_cod_and_partitioning_shapes_worked_examples():
             "drafter.freeze_lm_head": True,
             "data.max_length": 1024,
         },
-        {"drafter.draft_vocab_size": 32768, "data.max_length": 1024, "training.precision": "bfloat16"},
+        {"drafter.draft_vocab_size": 1024, "data.max_length": 128, "training.precision": "bfloat16"},
     ],
 )
 @pytest.mark.slow  # a real training step on SmolLM2's shape, 5-15 s each

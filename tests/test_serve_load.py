@@ -120,10 +120,11 @@ def test_every_decoder_answers_concurrent_clients_losslessly(deploy, decoder, ex
 
 
 def engine_processes() -> list[psutil.Process]:
-    """The vLLM engine-core processes under the endpoint's Serve replica."""
+    """The vLLM engine-core processes under the endpoint's Serve replica (of this test process's own local
+    Ray cluster, whose raylet and workers are its descendants: another Ray cluster on the machine is not ours)."""
     found = []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        title = " ".join([proc.info["name"] or "", *(proc.info["cmdline"] or [])])
+    for proc in psutil.Process().children(recursive=True):
+        title = " ".join([proc.name(), *proc.cmdline()])
         if "ServeReplica:peagle-openai" in title:
             found += [c for c in proc.children(recursive=True) if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
     return found

@@ -12,8 +12,8 @@ from peagle_ray.drafter.build import arch_from_target, drafter_for_target
 from peagle_ray.drafter.model import Drafter, rope_frequencies, rotate
 from peagle_ray.export.speculators import export_drafter
 from peagle_ray.target import TargetInfo, drafter_rope, drafter_target, rope_parameters
-from peagle_ray.tiny_target import FAMILIES, GPT_OSS_ROPE, LLAMA3_ROPE, build_tiny_target, family_spec
 from tests.drafter_helpers import tiny_arch
+from tests.helpers.tiny_target import FAMILIES, GPT_OSS_ROPE, LLAMA3_ROPE, build_tiny_target, family_spec
 
 # config.json as Meta ships Llama-3.1-8B-Instruct (the rope keys) and OpenAI ships gpt-oss-20b
 LLAMA31 = {

@@ -10,9 +10,9 @@ from peagle_ray.drafter.build import drafter_for_target, target_head, target_lay
 from peagle_ray.drafter.elements import Elements
 from peagle_ray.drafter.vocab import count_tokens
 from peagle_ray.target import read_target_info
-from peagle_ray.tiny_target import TinyTargetSpec, build_tiny_target
 from peagle_ray.train.elements import TrainSequence, cod_sample
 from peagle_ray.train.step import mask_function, sequence_backward, train_drafter
+from tests.helpers.tiny_target import TinyTargetSpec, build_tiny_target
 
 CONVERSATIONS = [
     ("How do I read a file?", "Use open(path) and call read() on it; the with statement closes it for you."),

@@ -1,4 +1,5 @@
-"""A tiny random-weights Llama target for tests and smoke runs, built entirely offline.
+"""A tiny random-weights Llama target for the tests, built entirely offline (test code: the package never
+imports it).
 
 The tokenizer is a real byte-level BPE trained here with `tokenizers` on text every Python install carries
 (standard-library docstrings), so it round-trips any string. It has a ChatML chat template, a mask token
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
+from peagle_ray.bench.shapes import LLAMA3_ROPE
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -102,15 +105,7 @@ class TinyTargetSpec:
     whose greedy choices a drafter can memorize (the memorization guard test)."""
 
 
-# What Llama-3.1/3.2/3.3 ship (config.json's rope_scaling), and GPT-OSS's yarn.
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+# GPT-OSS's yarn, as shipped (Llama-3.x's rope: peagle_ray.bench.shapes.LLAMA3_ROPE).
 GPT_OSS_ROPE = {
     "rope_type": "yarn",
     "rope_theta": 150000.0,

@@ -33,11 +33,20 @@ ENGINE_FIXTURES = {
 }
 
 
+# pytest-xdist (`make test` runs two workers, `-n 2 --dist loadgroup`): each file's tests run in one worker, so
+# that its module fixtures are built once, and the files sharing a session scenario (the adaptation loop, the
+# captured training data) run in the worker that built it. Each worker has its own local Ray cluster
+# (ray_local); every Serve endpoint, MLflow server and multi-node cluster takes a free port.
+SHARED_SCENARIOS = {"test_bench_adapt.py": "test_adapt.py", "test_bench_learning.py": "test_train_job.py"}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     import torch
 
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
+        module = Path(str(item.fspath)).name
+        item.add_marker(pytest.mark.xdist_group(SHARED_SCENARIOS.get(module, module)))
         if "ray_local" in fixtures:
             item.add_marker(pytest.mark.ray)
         if fixtures & ENGINE_FIXTURES.keys():

@@ -20,7 +20,7 @@ from peagle_ray.config import build_config
 from peagle_ray.demo import run_demo
 from peagle_ray.serve.app import free_port
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # the demo's run is the first test's setup
 
 
 class DemoRun:

@@ -124,10 +124,17 @@ def engine_processes() -> list[psutil.Process]:
     Ray cluster, whose raylet and workers are its descendants: another Ray cluster on the machine is not ours)."""
     found = []
     for proc in psutil.Process().children(recursive=True):
-        title = " ".join([proc.name(), *proc.cmdline()])
-        if "ServeReplica:peagle-openai" in title:
-            found += [c for c in proc.children(recursive=True) if "EngineCore" in " ".join([c.name(), *c.cmdline()])]
+        if "ServeReplica:peagle-openai" in title(proc):
+            found += [c for c in proc.children(recursive=True) if "EngineCore" in title(c)]
     return found
+
+
+def title(process: psutil.Process) -> str:
+    """A process's name and command line; "" once it has exited (a replica being replaced: zombie, gone)."""
+    try:
+        return " ".join([process.name(), *process.cmdline()])
+    except psutil.Error:
+        return ""
 
 
 def test_a_killed_engine_costs_503s_then_the_endpoint_serves_again(deploy, expected, tiny_target):

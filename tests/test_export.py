@@ -3,8 +3,6 @@ acceptance counters equal our own offline replay of greedy verification (same dr
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,8 +18,8 @@ from peagle_ray.engine import vllm_cpu_env
 from peagle_ray.export.speculators import PROVENANCE, export_drafter
 from peagle_ray.train.elements import TrainSequence
 from peagle_ray.train.step import train_drafter
-from tests.conftest import REPO
 from tests.helpers.tiny_target import GPT_OSS_ROPE, TinyTargetSpec, build_tiny_target, family_spec
+from tests.helpers.vllm_spec import VllmJobs
 
 K, PROMPT, GENERATED = 3, 16, 40
 
@@ -120,21 +118,12 @@ def test_export_writes_the_speculators_layout(tiny_target, tmp_path):
     assert json.loads((out / PROVENANCE).read_text())["packages"]["torch"].startswith("2.13")
 
 
-def vllm_decode(target, drafter_dir, parallel, prompts):
-    cmd = [
-        sys.executable,
-        str(REPO / "tests/helpers/vllm_spec.py"),
-        str(target),
-        str(drafter_dir),
-        str(K),
-        "1" if parallel else "0",
-        json.dumps(prompts),
-        str(GENERATED),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1))
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+@pytest.fixture(scope="module")
+def vllm_jobs(tmp_path_factory):
+    """One vLLM process for the module's engines (tests/helpers/vllm_spec.py): imported once, an engine a job."""
+    jobs = VllmJobs(vllm_cpu_env(1), tmp_path_factory.mktemp("vllm") / "stderr.log")
+    yield jobs
+    jobs.close()
 
 
 # gpt-oss-rope (yarn): vLLM builds the drafter's rotary embedding from the exported rope_parameters; a
@@ -144,7 +133,9 @@ def vllm_decode(target, drafter_dir, parallel, prompts):
     "family, algorithm", [("llama", "peagle"), ("llama", "eagle3"), ("gpt-oss-rope", "peagle"), ("qwen3", "peagle")]
 )
 @pytest.mark.vllm
-def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(greedy_data, tmp_path, family, algorithm):
+def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(
+    greedy_data, vllm_jobs, tmp_path, family, algorithm
+):
     tiny_target, train, held_out = greedy_data(family)
     drafter = trained_drafter(tiny_target, train, algorithm)
     expected = Acceptance(K)
@@ -153,7 +144,8 @@ def test_vllm_serves_the_export_losslessly_with_the_acceptance_we_predict(greedy
     assert expected.accepted > 0  # trained: something to compare (a random drafter accepts nothing)
 
     out = export_drafter(drafter, tmp_path / algorithm, tiny_target, aux_layers(tiny_target), K)
-    result = vllm_decode(tiny_target, out, algorithm == "peagle", [s[:PROMPT].tolist() for s, *_ in held_out])
+    prompts = [s[:PROMPT].tolist() for s, *_ in held_out]
+    result = vllm_jobs.run(tiny_target, out, K, algorithm == "peagle", prompts, GENERATED)
     assert result["tokens"] == [s[PROMPT:].tolist() for s, *_ in held_out]  # float32: exactly the target's greedy
     metrics = result["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] == expected.drafts
@@ -173,7 +165,9 @@ def peaked_target(tmp_path_factory):
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 @pytest.mark.vllm
-def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm(peaked_target, tmp_path, algorithm):
+def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm(
+    peaked_target, vllm_jobs, tmp_path, algorithm
+):
     """The correctness guard: train to memorize 4 greedy sequences, serve with stock vLLM on their prompts.
     Every draft position must be accepted almost always (position 1 >= 0.9, each later position >= 0.8 of
     the one before; measured 1.0 / 1.0 / 1.0 / 1.0 for P-EAGLE). A drafter whose depth >= 1 inputs,
@@ -198,19 +192,7 @@ def test_a_drafter_that_memorized_its_data_is_accepted_at_every_position_by_vllm
     )
     out = export_drafter(drafter, tmp_path / algorithm, peaked_target, [2, 3, 5], MEMORIZE_K)
     prompts = [s[:PROMPT].tolist() for s, *_ in memorized]
-    cmd = [
-        sys.executable,
-        str(REPO / "tests/helpers/vllm_spec.py"),
-        str(peaked_target),
-        str(out),
-        str(MEMORIZE_K),
-        "1" if algorithm == "peagle" else "0",
-        json.dumps(prompts),
-        str(GENERATED),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=vllm_cpu_env(1))
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    outcome = vllm_jobs.run(peaked_target, out, MEMORIZE_K, algorithm == "peagle", prompts, GENERATED)
     assert outcome["tokens"] == [s[PROMPT:].tolist() for s, *_ in memorized]  # lossless
     metrics = outcome["metrics"]
     rates = [

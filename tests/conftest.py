@@ -40,13 +40,17 @@ ENGINE_FIXTURES = {
 SHARED_SCENARIOS = {"test_bench_adapt.py": "test_adapt.py", "test_bench_learning.py": "test_train_job.py"}
 
 
+def pytest_itemcollected(item) -> None:
+    """Each test's xdist group, set as it is collected (xdist reads the groups in its collection hook)."""
+    module = Path(str(item.fspath)).name
+    item.add_marker(pytest.mark.xdist_group(SHARED_SCENARIOS.get(module, module)))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     import torch
 
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        module = Path(str(item.fspath)).name
-        item.add_marker(pytest.mark.xdist_group(SHARED_SCENARIOS.get(module, module)))
         if "ray_local" in fixtures:
             item.add_marker(pytest.mark.ray)
         if fixtures & ENGINE_FIXTURES.keys():

@@ -51,6 +51,15 @@ VERIFY_MESSAGES = [{"role": "user", "content": "What is the capital of France? A
 # them once with transformers' initialiser and vLLM builds the same rotary embedding from the exported config:
 # default (Llama-2, Qwen3, SmolLM2), linear, llama3 (Llama-3.1/3.2/3.3), yarn (GPT-OSS, long-context Qwen).
 DRAFTER_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The rope Llama-3.1/3.2/3.3 ship (config.json's rope_scaling): the bench's 8B shape and the tests' Llama-3 target.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def rope_parameters(cfg: dict) -> dict:

@@ -11,18 +11,9 @@ from peagle_ray.config import DrafterConfig
 from peagle_ray.drafter.build import arch_from_target
 from peagle_ray.drafter.model import Algorithm, Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
-from peagle_ray.target import read_target_info
+from peagle_ray.target import LLAMA3_ROPE, read_target_info
 from peagle_ray.train.elements import TrainSequence
 
-# What Llama-3.1/3.2/3.3 ship (config.json's rope_scaling).
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 # SmolLM2-135M-Instruct's shape (from the embedded target's config.json), kept here so the shape benchmarks
 # (train-memory, draft-latency, mask) run without converting the target first; `bench draft-latency --target
 # DIR` reads a prepared target's config.json instead (bench_arch(target=...)).

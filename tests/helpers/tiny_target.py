@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from peagle_ray.bench.shapes import LLAMA3_ROPE
+from peagle_ray.target import LLAMA3_ROPE
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -105,7 +105,7 @@ class TinyTargetSpec:
     whose greedy choices a drafter can memorize (the memorization guard test)."""
 
 
-# GPT-OSS's yarn, as shipped (Llama-3.x's rope: peagle_ray.bench.shapes.LLAMA3_ROPE).
+# GPT-OSS's yarn, as shipped (Llama-3.x's rope: peagle_ray.target.LLAMA3_ROPE).
 GPT_OSS_ROPE = {
     "rope_type": "yarn",
     "rope_theta": 150000.0,

@@ -9,6 +9,8 @@ peagle-ray <cmd> --config FILE --set section.field=value ...
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import signal
 import sys
@@ -19,7 +21,7 @@ from pathlib import Path
 from peagle_ray import stopping
 from peagle_ray.cluster import leave_cluster, ray_running
 from peagle_ray.config import CACHE_ENV, ConfigError, PeagleConfig, load_config
-from peagle_ray.options import Bench, arg, bench_needs, bench_options, docstring, option_arg, summary
+from peagle_ray.options import arg, bench_needs, bench_options, docstring, module_source, option_arg, summary
 
 RAW = argparse.RawDescriptionHelpFormatter  # a command's --help shows its docstring as written
 
@@ -301,7 +303,36 @@ COMMANDS = [
 ]
 COMMAND_NAMES = [*dict.fromkeys(command.name.split()[0] for command in COMMANDS), "bench"]  # --help's order
 
-BENCHES = {
+
+@dataclass(frozen=True)
+class Bench:
+    """`peagle-ray bench <kind>`: peagle_ray.bench.<module>.<function>, reached from here only (the benchmarks sit
+    on top of the product, which never imports them: pyproject.toml's import contracts). Its help is the first
+    paragraph of the module's docstring, read without importing it; its options are the function's parameters
+    annotated with an options.Opt (bench_options), its needs the parameters named cfg, drafters and progress
+    (bench_needs); the module's log_to_mlflow(cfg, result), where it has one, logs the result."""
+
+    module: str
+    function: str
+
+    def source(self) -> ast.Module:
+        return module_source(f"peagle_ray.bench.{self.module}")
+
+    @property
+    def help(self) -> str:
+        return summary(docstring(f"peagle_ray.bench.{self.module}"))
+
+    @property
+    def tracked(self) -> bool:
+        return any(isinstance(n, ast.FunctionDef) and n.name == "log_to_mlflow" for n in self.source().body)
+
+    def load(self) -> Callable:
+        """The function: its module is imported only when `bench KIND` asks (the benchmarks pull in torch, and
+        every other command's --help answers at once)."""
+        return getattr(importlib.import_module(f"peagle_ray.bench.{self.module}"), self.function)
+
+
+BENCHES = {  # the registry of benchmarks: `peagle-ray bench KIND` -> Bench(module, function)
     kind: Bench(module, function)
     for kind, module, function in [
         ("draft-latency", "draft_latency", "run"),

@@ -37,34 +37,6 @@ class Opt:
     variants: bool = False
 
 
-@dataclass(frozen=True)
-class Bench:
-    """`peagle-ray bench <kind>`: peagle_ray.bench.<module>.<function>. Its help is the first paragraph of the
-    module's docstring, read without importing it; its options are the function's parameters annotated with
-    an options.Opt (bench_options), its needs the parameters named cfg, drafters and progress (bench_needs);
-    the module's log_to_mlflow(cfg, result), where it has one, logs the result."""
-
-    module: str
-    function: str
-
-    def source(self) -> ast.Module:
-        return module_source(f"peagle_ray.bench.{self.module}")
-
-    @property
-    def help(self) -> str:
-        return summary(docstring(f"peagle_ray.bench.{self.module}"))
-
-    @property
-    def tracked(self) -> bool:
-        return any(isinstance(n, ast.FunctionDef) and n.name == "log_to_mlflow" for n in self.source().body)
-
-    def load(self) -> Callable:
-        """The function (importing its module pulls in torch: only `bench KIND` asks)."""
-        import importlib
-
-        return getattr(importlib.import_module(f"peagle_ray.bench.{self.module}"), self.function)
-
-
 def module_source(module: str) -> ast.Module:
     """A module's syntax tree, read without importing it (its package's __init__ is imported)."""
     import importlib.util

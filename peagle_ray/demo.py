@@ -84,7 +84,7 @@ class Stages:
         return "\n".join([*lines, f"| total | {sum(minutes.values()):.1f} |"])
 
 
-def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None) -> DemoResult:
+def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None, on_stage=None) -> DemoResult:
     """`peagle-ray demo`: run the main job on the embedded default target, end to end.
 
     Starts a local Ray cluster and MLflow server, prepares the target and data.sources, trains a general
@@ -98,7 +98,9 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
 
     Without `wait` (--no-wait) it stops everything after printing the results (calling on_ready(endpoint
     url) first, if given); with it, Ctrl-C (or SIGTERM / SIGHUP through the CLI) stops everything and raises
-    KeyboardInterrupt."""
+    KeyboardInterrupt. `on_stage(name, cfg, url)`, if given, is called with the run's config before the "data"
+    stage (MLflow up, nothing registered yet; url None) and as the "adapt" stage starts (the endpoint up at
+    url, the workload recorded, adapt not started): a caller sends its own traffic or checks there."""
     import ray
     from ray import serve
 
@@ -123,11 +125,15 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
         cfg = with_values(cfg, {"tracking.tracking_uri": uri, "serving.record_dir": record_dir, "adapt.swap": True})
         print(f"[demo] MLflow UI: {uri}")
         try:
+            if on_stage is not None:
+                on_stage("data", cfg, None)
             general, version = _general_drafter(cfg, stages)
             evaluated = _compare_eagle3(cfg, general, stages) if cfg.demo.compare_eagle3 else None
             label = f"{cfg.tracking.registered_model}/{version}"
             url = _workload_traffic(cfg, general, label, stages)
             stages.start("adapt", f"the general drafter fine-tuned on the recorded {cfg.demo.workload} traffic")
+            if on_stage is not None:
+                on_stage("adapt", cfg, url)
             report = run_adapt(cfg)
             served, served_label = (Path(report.served_dir), f"{cfg.tracking.registered_model}/{report.served_version}")
             if not report.swapped:  # adapt left the endpoint as it was: serving the general drafter

@@ -9,12 +9,19 @@ or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+# Every Ray cluster the tests start (ray_local, the product's ensure_ray, the two-node cluster) inherits this:
+# Serve gives up on a replica that fails to start after one attempt instead of three (its default), so a
+# drafter that cannot load (tests/helpers/demo_loop.py) is refused after one engine start, not three (~50 s).
+# A replica replaced after a failed health check (test_serve_load.py's killed engine) starts normally.
+os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
 
 from tests.helpers.tiny_target import build_tiny_target
 
@@ -23,8 +30,7 @@ HEAVY_TIERS = ("ray", "vllm", "slow", "gpu")
 # fixtures that start a vLLM engine (a Serve-hosted target or endpoint, a capture, a job that captures): a test
 # using one is in the vllm tier, so that `-m "not vllm"` starts no engine
 ENGINE_FIXTURES = {
-    "adapt_loop": "conftest: the adaptation loop",
-    "demo_run": "test_demo.py: the demo's run",
+    "demo_loop": "conftest: the demo's run with the adaptation loop's live checks",
     "session": "test_capture.py: the Serve-hosted target",
     "endpoint": "test_serve.py: the endpoint",
     "deploy": "test_serve_load.py: the endpoint, per decoder",
@@ -37,7 +43,11 @@ ENGINE_FIXTURES = {
 # that its module fixtures are built once, and the files sharing a session scenario (the adaptation loop, the
 # captured training data) run in the worker that built it. Each worker has its own local Ray cluster
 # (ray_local); every Serve endpoint, MLflow server and multi-node cluster takes a free port.
-SHARED_SCENARIOS = {"test_bench_adapt.py": "test_adapt.py", "test_bench_learning.py": "test_train_job.py"}
+SHARED_SCENARIOS = {
+    "test_adapt.py": "test_demo.py",  # the demo's run (demo_loop)
+    "test_bench_adapt.py": "test_demo.py",
+    "test_bench_learning.py": "test_train_job.py",  # the captured training data (captured_data)
+}
 
 
 # Seconds each group took in a two-worker run (stop 50's clean-clone --durations, rounded): the groups are
@@ -45,9 +55,8 @@ SHARED_SCENARIOS = {"test_bench_adapt.py": "test_adapt.py", "test_bench_learning
 # instead of one starting the longest group late. Only the order matters; a group not listed goes last.
 GROUP_SECONDS = {
     "test_multinode.py": 1540,
-    "test_adapt.py": 1100,
+    "test_demo.py": 1100,  # with test_adapt.py and test_bench_adapt.py (one scenario)
     "test_train_job.py": 900,
-    "test_demo.py": 860,
     "test_serve_load.py": 600,
     "test_capture.py": 400,
     "test_serve.py": 300,
@@ -165,16 +174,19 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def adapt_loop(tiny_target, ray_local, tmp_path_factory):
-    """The adaptation loop run once (tests/helpers/adapt_loop.py): what it did, for tests of each part."""
+def demo_loop(family_target, tmp_path_factory, request):
+    """The demo run once on the tiny Llama-3 target with the adaptation loop's live checks inside it
+    (tests/helpers/demo_loop.py): what it did, for tests of each part."""
     from transformers import AutoTokenizer
 
-    from tests.helpers.adapt_loop import TOKENS, WORKLOAD, run_loop
+    from tests.helpers.demo_loop import TOKENS, WORKLOAD, run_loop
     from tests.test_serve import hf_greedy
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    expected = {p: hf_greedy(tiny_target, tokenizer(p)["input_ids"], TOKENS) for p in WORKLOAD}
-    return run_loop(tiny_target, tmp_path_factory.mktemp("adapt-loop"), expected)
+    target = family_target("llama3")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    expected = {p: hf_greedy(target, tokenizer(p)["input_ids"], TOKENS) for p in WORKLOAD}
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    return run_loop(target, tmp_path_factory.mktemp("demo-loop"), expected, capture)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""The adaptation loop: its rules on literal rows, then the loop end to end on the tiny target, run once
-(tests/helpers/adapt_loop.py, the session's `adapt_loop`) and checked part by part: the endpoint records its
-traffic, `adapt` fine-tunes the registered drafter on it, judges both versions with stock vLLM, registers
-and promotes the new one and swaps it into the running endpoint while requests keep flowing."""
+"""The adaptation loop: its rules on literal rows, then the loop end to end inside the demo's run on the tiny
+Llama-3 target, run once (tests/helpers/demo_loop.py, the session's `demo_loop`) and checked part by part: the
+endpoint records its traffic, `adapt` fine-tunes the registered drafter on it, judges both versions with
+stock vLLM, registers and promotes the new one and swaps it into the running endpoint while requests keep
+flowing; a drafter that cannot load is refused; the endpoint switches to the hybrid under load."""
 
 import json
 import shutil
@@ -23,10 +24,10 @@ from peagle_ray.adapt import (
 )
 from peagle_ray.config import ConfigError, build_config
 from peagle_ray.eval.metrics import pick_decoder
-from tests.helpers.adapt_loop import REPEATS, WORKLOAD, K
+from tests.helpers.demo_loop import DEMO_REQUESTS, REPEATS, WORKLOAD, K
 
-# the session's adapt_loop fixture (its setup counts against the first test using it) now times the served
-# drafter beside suffix and the hybrid in one comparison: ~12-15 min on a slow day, over the 900 s default
+# the session's demo_loop fixture: its setup counts against the first test using it (test_demo.py's, in the
+# same xdist group), over the 900 s default on a slow day
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -132,28 +133,29 @@ def test_adapt_refuses_without_a_recording(tmp_path):
         run_adapt(build_config({"serving": {"record_dir": str(tmp_path)}}))
 
 
-def test_adapt_refuses_before_a_version_is_registered_and_with_too_little_traffic(adapt_loop):
-    assert "no version of registered model 'peagle-drafter' has the alias 'serving'" in adapt_loop.refusals["no alias"]
-    assert "too little new traffic" in adapt_loop.refusals["too little traffic"]
-    assert "adapt.min_requests is 10000" in adapt_loop.refusals["too little traffic"]
+def test_adapt_refuses_before_a_version_is_registered_and_with_too_little_traffic(demo_loop):
+    assert "no version of registered model 'peagle-drafter' has the alias 'serving'" in demo_loop.refusals["no alias"]
+    assert "too little new traffic" in demo_loop.refusals["too little traffic"]
+    assert "adapt.min_requests is 10000" in demo_loop.refusals["too little traffic"]
     # continuous mode's round after the adaptation, on the same recording: nothing new, skipped, still serving
-    assert adapt_loop.skipped is None
-    skipped = adapt_loop.refusals["no new traffic"]
+    assert demo_loop.skipped is None
+    skipped = demo_loop.refusals["no new traffic"]
     assert "skipped this round: too little new traffic" in skipped and "0 requests recorded after" in skipped
     assert "the last adaptation read" in skipped
 
 
-def test_the_endpoint_records_the_workload_losslessly(adapt_loop):
-    recorded = adapt_loop.recorded
+def test_the_endpoint_records_the_workload_losslessly(demo_loop):
+    recorded = demo_loop.recorded
     assert recorded.ok == len(WORKLOAD) * REPEATS and not recorded.failed and not recorded.mismatched
 
 
-def test_adapt_trains_on_the_recording_and_the_replay_and_judges_losslessly(adapt_loop):
-    report = adapt_loop.report
+def test_adapt_trains_on_the_recording_and_the_replay_and_judges_losslessly(demo_loop):
+    report = demo_loop.report
     assert report.parent_version == "1" and report.version == "2" and report.k == K
     prepared = json.loads((Path(report.json).parent / "data" / "summary.json").read_text())["by_category"]
     assert report.samples == prepared["traffic"] and sum(prepared["user"].values()) == 6  # replay trained too
-    assert sum(report.samples.values()) == len(WORKLOAD) * REPEATS  # the snapshot: the workload alone
+    # the snapshot: the demo's workload and the narrow one, not the requests sent during adapt
+    assert sum(report.samples.values()) == DEMO_REQUESTS + len(WORKLOAD) * REPEATS
     assert all(
         getattr(j, part)["greedy_mismatches"] == 0 for j in report.measured.values() for part in ("heldout", "general")
     )
@@ -162,32 +164,32 @@ def test_adapt_trains_on_the_recording_and_the_replay_and_judges_losslessly(adap
     assert saved["promote"] == report.promote and saved["version"] == "2"
 
 
-def test_the_adapted_drafter_accepts_the_repeated_requests_the_random_one_does_not(adapt_loop):
+def test_the_adapted_drafter_accepts_the_repeated_requests_the_random_one_does_not(demo_loop):
     # held-out requests repeat train prompts (the split is by conversation id, the same in every run): the
     # random parent accepts (almost) nothing, the adapted one learned them
-    heldout = {who: judged.heldout for who, judged in adapt_loop.report.measured.items()}
+    heldout = {who: judged.heldout for who, judged in demo_loop.report.measured.items()}
     assert heldout["new"]["acceptance_per_position"][0] > 0, heldout
     assert heldout["new"]["acceptance_length"] > heldout["parent"]["acceptance_length"], heldout
-    assert adapt_loop.report.promote, adapt_loop.report.verdict.why
+    assert demo_loop.report.promote, demo_loop.report.verdict.why
 
 
-def test_the_promoted_version_is_swapped_in_with_no_request_dropped(adapt_loop):
-    report, during = adapt_loop.report, adapt_loop.during
+def test_the_promoted_version_is_swapped_in_with_no_request_dropped(demo_loop):
+    report, during = demo_loop.report, demo_loop.during
     assert report.swapped and during.ok > 0 and during.failed == [] and during.mismatched == []
-    assert adapt_loop.stats["version"] == "peagle-drafter/2" and adapt_loop.stats["drafter"] == report.export_dir
+    assert demo_loop.stats["version"] == "peagle-drafter/2" and demo_loop.stats["drafter"] == report.export_dir
     verdict = json.loads((Path(report.export_dir) / "recommendation.json").read_text())  # from held-out timing
-    assert verdict["reason"] in report.recommendation and "over 1 timed prompts" in verdict["reason"]
+    assert verdict["reason"] in report.recommendation and "over 2 timed prompts" in verdict["reason"]
     # K is asked for (adapt_cfg): the endpoint drafts whatever the verdict, with the decoder it names or the drafter
-    assert adapt_loop.stats["decoder"] == report.decoder == (verdict["decoder"] if verdict["draft"] else "drafter")
+    assert demo_loop.stats["decoder"] == report.decoder == (verdict["decoder"] if verdict["draft"] else "drafter")
 
 
-def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measurements_pick(adapt_loop):
+def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measurements_pick(demo_loop):
     # the held-out requests repeat recorded ones: suffix decoding, warmed up on the recorded training
     # requests, drafts whole answers; the random-then-adapted tiny drafter does not come close. Which is
     # fastest on the tiny target is the timing's to say (tests/test_eval.py plants a faster one)
-    report = adapt_loop.report
+    report = demo_loop.report
     assert set(report.decoders) == {"target", "drafter", "suffix", "hybrid"}
-    assert all(row["greedy_mismatches"] == 0 and row["timed_prompts"] == 1 for row in report.decoders.values())
+    assert all(row["greedy_mismatches"] == 0 and row["timed_prompts"] == 2 for row in report.decoders.values())
     assert report.decoders["suffix"]["acceptance_length"] > report.decoders["drafter"]["acceptance_length"]
     # one comparison, one baseline: every row's speedup is its tokens/s over the one target-alone row's
     base = report.decoders["target"]["tokens_per_s"]
@@ -199,13 +201,13 @@ def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measure
     assert report.decoder == (picked.decoder if picked.draft else "drafter")
     sources = report.decoders["hybrid"]["by_source"]
     assert sum(s["drafts"] for s in sources.values()) > 0 and sources["suffix"]["accepted_tokens"] > 0
-    tags = MlflowClient(adapt_loop.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
+    tags = MlflowClient(demo_loop.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
     assert tags["served.decoder"] == report.decoder and tags["served.version"] == "peagle-drafter/2"
     assert tags["served.why"] == report.recommendation and tags["served.k"] == str(K)
 
 
-def test_the_endpoint_switches_to_the_hybrid_under_load_and_counts_each_source(adapt_loop):
-    switching, stats = adapt_loop.switching, adapt_loop.hybrid_stats
+def test_the_endpoint_switches_to_the_hybrid_under_load_and_counts_each_source(demo_loop):
+    switching, stats = demo_loop.switching, demo_loop.hybrid_stats
     assert switching.ok > 0 and switching.failed == [] and switching.mismatched == []
     assert stats["decoder"] == "hybrid" and stats["threshold"] == 0.5 and stats["algorithm"] == "peagle"
     sources = stats["by_source"]
@@ -216,21 +218,21 @@ def test_the_endpoint_switches_to_the_hybrid_under_load_and_counts_each_source(a
     assert 'peagle_source_acceptance_rate{position="1",source="drafter"}' in stats["metrics"]
 
 
-def test_a_drafter_that_cannot_load_leaves_the_served_one_serving(adapt_loop):
-    failing = adapt_loop.failing
-    assert f"{adapt_loop.report.export_dir} keeps serving" in adapt_loop.swap_error
+def test_a_drafter_that_cannot_load_leaves_the_served_one_serving(demo_loop):
+    failing = demo_loop.failing
+    assert f"{demo_loop.report.export_dir} keeps serving" in demo_loop.swap_error
     assert failing.ok > 0 and failing.failed == [] and failing.mismatched == []
-    assert adapt_loop.after_failure["version"] == "peagle-drafter/2"
+    assert demo_loop.after_failure["version"] == "peagle-drafter/2"
 
 
-def test_the_registry_moves_the_alias_and_tags_the_measurements(adapt_loop):
-    client = MlflowClient(adapt_loop.cfg.tracking.tracking_uri)
+def test_the_registry_moves_the_alias_and_tags_the_measurements(demo_loop):
+    client = MlflowClient(demo_loop.cfg.tracking.tracking_uri)
     version = client.get_model_version_by_alias("peagle-drafter", "serving")
     assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"
-    new = adapt_loop.report.measured["new"].heldout["acceptance_length"]
+    new = demo_loop.report.measured["new"].heldout["acceptance_length"]
     assert float(version.tags["adapt/heldout_al"]) == pytest.approx(new)
-    metrics = client.get_run(adapt_loop.report.run_id).data.metrics  # the decoders judged, per source too
-    hybrid = adapt_loop.report.decoders["hybrid"]
+    metrics = client.get_run(demo_loop.report.run_id).data.metrics  # the decoders judged, per source too
+    hybrid = demo_loop.report.decoders["hybrid"]
     assert metrics["adapt/decoder_hybrid_speedup"] == pytest.approx(hybrid["speedup"])
     assert metrics["adapt/hybrid_suffix_drafts"] == hybrid["by_source"]["suffix"]["drafts"]
 
@@ -247,13 +249,13 @@ def test_the_registry_verdict_is_read_only_for_the_version_it_judged():
     assert registry_verdict({}, "peagle-drafter/2", 3) is None
 
 
-def test_serve_without_a_drafter_serves_the_alias_and_its_recorded_verdict(adapt_loop, tmp_path):
+def test_serve_without_a_drafter_serves_the_alias_and_its_recorded_verdict(demo_loop, tmp_path):
     from peagle_ray.config import with_values
     from peagle_ray.layout import drafter_dir
     from peagle_ray.serve.app import serving_decoder
     from peagle_ray.serve.registry import default_drafter
 
-    report, cfg = adapt_loop.report, adapt_loop.cfg
+    report, cfg = demo_loop.report, demo_loop.cfg
     chosen = default_drafter(cfg)
     assert chosen.label == "peagle-drafter/2" and str(chosen.directory) == report.served_dir  # served.dir
     assert "registry peagle-drafter: version 2 holds alias 'serving'" in chosen.why

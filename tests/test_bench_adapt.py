@@ -1,5 +1,5 @@
 """bench adapt's pure parts (workloads, the split by prompt, the goals), and bench adapt-ablation on the session's
-adaptation loop (tests/helpers/adapt_loop.py). The loop bench adapt drives is tested part by part in
+adaptation loop (tests/helpers/demo_loop.py). The loop bench adapt drives is tested part by part in
 test_adapt.py; its figures come from running it (docs/)."""
 
 from pathlib import Path
@@ -88,15 +88,15 @@ def test_the_training_mix_keeps_a_share_of_traffic_and_replays_general_records()
         training_mix(traffic, general, 1.0, 0.5, 0)
 
 
-def test_adapt_ablation_on_the_adaptations_own_inputs(adapt_loop):
+def test_adapt_ablation_on_the_adaptations_own_inputs(demo_loop):
     """bench adapt-ablation on the session's adaptation (its prepared data and captured shards; the general
     side: its replayed records)."""
     from peagle_ray.bench import adapt_ablation
     from peagle_ray.config import with_values
 
-    work = Path(adapt_loop.report.json).parent
+    work = Path(demo_loop.report.json).parent
     variants = [["base"], ["decoder only", "drafter.frozen=[embed_tokens, fc]"], ["replay", "replay=0.2"]]
-    cfg = with_values(adapt_loop.cfg, {"capture.output_dir": str(work / "hidden")})
+    cfg = with_values(demo_loop.cfg, {"capture.output_dir": str(work / "hidden")})
     ablation = adapt_ablation.run(cfg, work, variants, [2, 4])
     rows = {name: v["rows"] for name, v in ablation["variants"].items()}
     assert [r["steps"] for r in rows["base"]] == [2, 4] and set(ablation["parent"]) == {"heldout_al", "general_al"}

@@ -1,115 +1,37 @@
-"""The main job end to end with a tiny budget, run once on a tiny target of a family users bring (Llama-3.x:
-llama3 rope, 128,256 rows, untied head) and checked part by part: the built-in suite's prompts regenerated
-into data, captured from the Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and
-registered, a workload sent through the recording endpoint, the drafter adapted to it, judged (lossless
-through stock vLLM), promoted or not, and the live endpoint serving what the measurement says. (Qwen3's and
-GPT-OSS's rope and shapes run through capture and vLLM serving in test_capture.py and test_export.py.)"""
+"""The main job end to end with a tiny budget, run once per session on a tiny target of a family users bring
+(Llama-3.x: llama3 rope, 128,256 rows, untied head; tests/helpers/demo_loop.py, conftest's `demo_loop`) and
+checked part by part: the built-in suite's prompts regenerated into data, captured from the Serve-hosted
+target, a general P-EAGLE drafter trained in Ray Train and registered, a workload sent through the recording
+endpoint, the drafter adapted to it, judged (lossless through stock vLLM), promoted or not, and the live
+endpoint serving what the measurement says. The same run's adaptation is checked part by part in
+test_adapt.py. (Qwen3's and GPT-OSS's rope and shapes run through capture and vLLM serving in
+test_capture.py and test_export.py.)"""
 
-import contextlib
 import json
-import os
-import sys
-import tempfile
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from peagle_ray.config import build_config
-from peagle_ray.demo import run_demo
-from peagle_ray.serve.app import free_port
+from tests.helpers.demo_loop import DEMO_REQUESTS, REPEATS, WORKLOAD, K
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # the demo's run is the first test's setup
 
 
-class DemoRun:
-    """The demo run once on the tiny Llama-3 target, what it printed and what the live endpoint answered."""
-
-    def __init__(self, target: Path, cfg, outcome, console: str, answers: list):
-        self.target, self.cfg, self.outcome, self.console, self.answers = target, cfg, outcome, console, answers
-
-
-@pytest.fixture(scope="module")
-def demo_run(family_target, tmp_path_factory, request):
-    tiny_target = family_target("llama3")
-    tmp_path = tmp_path_factory.mktemp("demo")
-    cfg = build_config(
-        {
-            "target": {"path": str(tiny_target), "max_model_len": 512, "kv_cache_gib": 1},
-            "data": {
-                "sources": ["builtin"],
-                "max_length": 160,
-                "regenerate": True,
-                "max_new_tokens": 16,
-                "output_dir": str(tmp_path / "data"),
-            },
-            "capture": {"mode": "offline", "output_dir": str(tmp_path / "hidden")},
-            "drafter": {"num_depths": 2, "draft_vocab_size": 256},
-            "training": {"num_workers": 2, "max_steps": 4, "validate_every": 2, "storage_path": str(tmp_path / "runs")},
-            "tracking": {"port": free_port()},
-            "serving": {"port": free_port(), "log_dir": str(tmp_path / "logs")},
-            "eval": {"suite": "mt-bench", "prompts_per_category": 1, "timing_prompts": 8, "max_new_tokens": 12},
-            "adapt": {"max_steps": 2, "min_requests": 2, "validation_fraction": 0.25, "min_gain": 0.0},
-            # the first 8 coding prompts: 4 land in the held-out split (a stable hash of their ids)
-            "demo": {"workload": "builtin-coding", "requests": 8, "max_tokens": 8},
-        }
-    )
-    answers: list = []
-
-    def ask(url):
-        body = {"model": tiny_target.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-        request = urllib.request.Request(
-            f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            answers.append(json.loads(resp.read())["choices"][0]["message"]["content"])
-        with urllib.request.urlopen(f"{url}/v1/speculative_stats", timeout=30) as resp:
-            answers.append(json.loads(resp.read()))
-
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled(), _console() as console:  # pytest's own capture off: print()
-        outcome = run_demo(cfg, wait=False, on_ready=ask)  # writes to file descriptor 1 again
-    (tmp_path / "console.txt").write_text(console.text)
-    return DemoRun(tiny_target, cfg, outcome, console.text, answers)
-
-
-class _Captured:
-    text = ""
-
-
-@contextlib.contextmanager
-def _console():
-    """What a person at the console sees, from any process: file descriptors 1 and 2 into a file (capfd is
-    function-scoped; the demo runs once for the module), with pytest's capture suspended around it."""
-    captured = _Captured()
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        saved = os.dup(1), os.dup(2)
-        sys.stdout.flush(), sys.stderr.flush()
-        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
-            sink.seek(0)
-            captured.text = sink.read().decode(errors="replace")
-
-
-def test_the_adaptation_judges_both_drafters_losslessly_on_the_heldout_requests(demo_run):
-    report = demo_run.outcome.adapt
-    assert report.samples == {"train": 4, "validation": 4}
+def test_the_adaptation_judges_both_drafters_losslessly_on_the_heldout_requests(demo_loop):
+    report = demo_loop.outcome.adapt
+    # the demo's workload and the narrow one sent at the adapt stage, split by conversation id
+    assert sum(report.samples.values()) == DEMO_REQUESTS + len(WORKLOAD) * REPEATS
     for judged in report.measured.values():
         heldout = judged.heldout
-        assert heldout["greedy_mismatches"] == 0 and heldout["timed_prompts"] == 4
-        assert len(heldout["acceptance_per_position"]) == 2 and heldout["tokens_per_s"] > 0
-    saved = json.loads(demo_run.outcome.json.read_text())["adapt"]
+        assert heldout["greedy_mismatches"] == 0 and heldout["timed_prompts"] == 2
+        assert len(heldout["acceptance_per_position"]) == K and heldout["tokens_per_s"] > 0
+    saved = json.loads(demo_loop.outcome.json.read_text())["adapt"]
     assert saved["version"] == report.version and saved["measured"]["new"]["heldout"] == report.measured["new"].heldout
 
 
-def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_run):
-    outcome, out, report = demo_run.outcome, demo_run.console, demo_run.outcome.adapt
+def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_loop):
+    outcome, out, report = demo_loop.outcome, demo_loop.console, demo_loop.outcome.adapt
     assert f"| general (v{report.parent_version}) |" in outcome.table
     assert f"| adapted (v{report.version}) |" in outcome.table and outcome.table in out
     assert set(outcome.minutes) == {"target", "data", "general drafter", "workload", "adapt"}
@@ -118,8 +40,8 @@ def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_run):
     assert "[demo] logs: " in out and "INFO" not in out, out[-3000:]  # INFO lines go to log files
 
 
-def test_the_endpoint_serves_the_decoder_its_heldout_measurement_chose(demo_run):
-    outcome, answers, report = demo_run.outcome, demo_run.answers, demo_run.outcome.adapt
+def test_the_endpoint_serves_the_decoder_its_heldout_measurement_chose(demo_loop):
+    outcome, answers, report = demo_loop.outcome, demo_loop.answers, demo_loop.outcome.adapt
     # adapt timed suffix decoding and the hybrid beside the served drafter and the target alone; the endpoint
     # ends on its choice (the fastest measurably faster decoder, else the target alone), or - where that is
     # what it served already - stays as it was
@@ -134,9 +56,9 @@ def test_the_endpoint_serves_the_decoder_its_heldout_measurement_chose(demo_run)
     elif served["decoder"] == "target":
         assert served["drafts"] == 0
     assert json.loads(outcome.json.read_text())["served"] == served_description(served)
-    assert "decoder:  " in demo_run.console and served["why"] in demo_run.console
-    tags = MlflowClient(f"sqlite:///{Path(demo_run.cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
-    model = tags.get_registered_model(demo_run.cfg.tracking.registered_model).tags
+    assert "decoder:  " in demo_loop.console and served["why"] in demo_loop.console
+    tags = MlflowClient(f"sqlite:///{Path(demo_loop.cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
+    model = tags.get_registered_model(demo_loop.cfg.tracking.registered_model).tags
     assert model["served.decoder"] == served["decoder"] and model["served.version"] == served["version"]
 
 
@@ -145,16 +67,16 @@ def served_description(stats: dict) -> dict:
     return {key: stats[key] for key in ("decoder", "k", "algorithm", "drafter", "version", "threshold", "why")}
 
 
-def test_recording_stays_on_for_the_live_endpoint(demo_run):
-    storage = Path(demo_run.cfg.training.storage_path)
+def test_recording_stays_on_for_the_live_endpoint(demo_loop):
+    storage = Path(demo_loop.cfg.training.storage_path)
     recorded = [json.loads(line) for f in (storage / "traffic").glob("*.jsonl") for line in f.open()]
     assert len(recorded) >= 9  # the workload and the question asked of the live endpoint
 
 
-def test_mlflow_holds_both_versions_and_the_training_curve(demo_run):
-    storage, report = Path(demo_run.cfg.training.storage_path), demo_run.outcome.adapt
+def test_mlflow_holds_both_versions_and_the_training_curve(demo_loop):
+    storage, report = Path(demo_loop.cfg.training.storage_path), demo_loop.outcome.adapt
     client = MlflowClient(f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}")
-    versions = client.search_model_versions(f"name = '{demo_run.cfg.tracking.registered_model}'")
+    versions = client.search_model_versions(f"name = '{demo_loop.cfg.tracking.registered_model}'")
     assert {str(v.version) for v in versions} == {report.parent_version, report.version}
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
     assert "peagle" in runs and client.get_metric_history(runs["peagle"].info.run_id, "train/loss")

@@ -142,13 +142,14 @@ def test_bench_capture_measures_one_and_two_replicas_over_the_nodes(cluster, cap
     tmp, _ = captured
     out_json = tmp / "bench_capture.json"
     cmd = ("peagle-ray", "bench", "capture", "--config", str(tmp / "capture.yaml"), "--replicas", "1", "2",
-           "--sequences", "16", "--seq-len", "64", "--json", str(out_json))  # fmt: skip
+           "--sequences", "16", "--seq-len", "64", "--repeats", "1", "--json", str(out_json))  # fmt: skip
     before = {a["actor_id"] for a in cluster.actors()}
     cluster.submit(REPO, *cmd)
     result = json.loads(out_json.read_text())
     print("bench capture by replicas:", result["by_replicas"], "prefill tok/s", result["prefill_tokens_per_s"],
           "replicas ran on", named(cluster, ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")))  # fmt: skip
     assert [r["replicas"] for r in result["by_replicas"]] == [1, 2]
+    assert all(len(r["passes_tokens_per_s"]) == 1 for r in result["by_replicas"])  # --repeats 1
     assert all(r["tokens_per_s"] > 0 for r in result["by_replicas"]) and not result["bad_rows"]
     for row in result["by_replicas"]:  # where the time went, from the rows' timings
         assert row["per_request_ms"]["engine"] > 0 and row["first_record_s"] > 0

@@ -3,8 +3,8 @@
 Sequences: the built-in suite's prompts rendered with the target's chat template, concatenated and cut into
 `num_sequences` sequences of `seq_len` tokens. 'prefill' is a plain vLLM engine (no capture) doing a
 1-token generation over them, in its own process; 'capture' is the full pipeline: Ray Data actors ->
-Ray Serve-hosted engine with extract_hidden_states -> validated records. Each is timed over REPEATS passes
-after a small warm-up, the median counting. Per replica count: tokens/s over the whole pass and after its
+Ray Serve-hosted engine with extract_hidden_states -> validated records. Each is timed over --repeats passes
+(default 3) after a small warm-up, the median counting. Per replica count: tokens/s over the whole pass and after its
 first record (the pipeline's start: Ray Data's actors, the Serve handle), where a request's time went (the
 engine, the replica reading the connector's file, Serve and the object store, Ray Data), and the hidden-state
 bytes per token on the wire. Offline bytes per token are measured by writing the records as shards.
@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from peagle_ray.capture.stage import TIMING_COLUMNS
-from peagle_ray.config import PeagleConfig
+from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.engine import engine_args, target_engine_env, use_local_cores
 from peagle_ray.options import Opt
 
 if TYPE_CHECKING:
     from peagle_ray.capture.pipeline import Record
 
-REPEATS = 3  # timed passes of plain prefill and of capture; the median counts (a pass varies up to 2x here)
+REPEATS = 3  # default timed passes of plain prefill and of capture; the median counts (a pass varies up to 2x here)
 
 
 def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[list[int]]:
@@ -49,7 +49,7 @@ def bench_sequences(target_dir: Path, num_sequences: int, seq_len: int) -> list[
     return [stream[i * seq_len : (i + 1) * seq_len] for i in range(num_sequences)]
 
 
-def _prefill_child(args_file: str, sequences_file: str) -> None:
+def _prefill_child(args_file: str, sequences_file: str, repeats: str) -> None:
     use_local_cores()
     from vllm import LLM, SamplingParams
 
@@ -58,7 +58,7 @@ def _prefill_child(args_file: str, sequences_file: str) -> None:
     prompts = [{"prompt_token_ids": s} for s in sequences]
     llm.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
     seconds = []
-    for _ in range(REPEATS):
+    for _ in range(int(repeats)):
         start = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
         seconds.append(time.perf_counter() - start)
@@ -109,8 +109,10 @@ def _capture_pass(session, samples: list, batch_size: int, actors: int, desc: st
     return records, row, bad
 
 
-def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) -> tuple[list[Record], dict, Any]:
-    """The median of REPEATS passes through `replicas` target replicas after a small warm-up, as plain prefill's:
+def _capture_rate(
+    cfg: PeagleConfig, samples: list, replicas: int, actors: int, repeats: int
+) -> tuple[list[Record], dict, Any]:
+    """The median of `repeats` passes through `replicas` target replicas after a small warm-up, as plain prefill's:
     its row (with every pass's tokens/s) and bad rows, and the records of the last pass."""
     from peagle_ray.capture.pipeline import capture_dataset, iter_records
     from peagle_ray.capture.run import target_session
@@ -123,7 +125,7 @@ def _capture_rate(cfg: PeagleConfig, samples: list, replicas: int, actors: int) 
         warm = capture_dataset(samples[: 4 * replicas], layers, hidden, 4, actors)  # every replica warms up
         list(iter_records(warm.iter_rows(), BadRows(), desc=f"warm-up ({replicas} replicas)"))
         passes = []
-        for i in range(REPEATS):  # every pass captures the same records: only the last pass's are kept
+        for i in range(repeats):  # every pass captures the same records: only the last pass's are kept
             desc = f"capture ({replicas} replicas, {i + 1})"
             records, row, bad = _capture_pass(session, samples, cfg.capture.batch_size, actors, desc)
             passes.append((row, bad))
@@ -137,9 +139,12 @@ def run(
     num_sequences: Annotated[int, Opt("Sequences captured.", flag="--sequences")] = 64,
     seq_len: Annotated[int, Opt("Tokens per sequence.")] = 256,
     replicas: Annotated[tuple[int, ...], Opt("Target replica counts measured, e.g. 1 2.")] = (1,),
+    repeats: Annotated[int, Opt("Timed passes of prefill and of each replica count; the median counts.")] = REPEATS,
 ) -> dict:
     """Plain prefill once, then the capture pipeline for each replica count (capture.num_actors raised to at
     least the replica count; capture.max_replicas_per_node places them)."""
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1; got {repeats}")
     from peagle_ray.capture.pipeline import write_offline
     from peagle_ray.data.prepare import TokenizedSample
     from peagle_ray.target import resolve_target_path
@@ -152,7 +157,7 @@ def run(
         seq_file.write_text(json.dumps(sequences))
         args_file = Path(tmp) / "engine_args.json"
         args_file.write_text(json.dumps(engine_args(cfg, target_dir, cfg.capture.num_gpus > 0)))
-        cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(args_file), str(seq_file)]
+        cmd = [sys.executable, "-m", "peagle_ray.bench.capture", str(args_file), str(seq_file), str(repeats)]
         child = subprocess.run(
             cmd, capture_output=True, text=True, env=target_engine_env(cfg.target, on_gpu=cfg.capture.num_gpus > 0)
         )
@@ -164,7 +169,7 @@ def run(
         samples = [TokenizedSample(f"bench-{i}", "bench", "train", s, [1] * len(s)) for i, s in enumerate(sequences)]
         rows, bad_rows = [], {}
         for n in replicas:
-            records, row, bad = _capture_rate(cfg, samples, n, max(n, cfg.capture.num_actors))
+            records, row, bad = _capture_rate(cfg, samples, n, max(n, cfg.capture.num_actors), repeats)
             rows.append(row)
             bad_rows.update(bad.counts)
         shard_dir = Path(tmp) / "shards"
@@ -189,4 +194,4 @@ def run(
 
 
 if __name__ == "__main__":
-    _prefill_child(*sys.argv[1:3])
+    _prefill_child(*sys.argv[1:4])

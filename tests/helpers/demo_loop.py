@@ -1,0 +1,327 @@
+"""The demo's run, once per test session, with the adaptation loop's live checks inside it (conftest's
+`demo_loop`), for the tests that each check one part (tests/test_demo.py, tests/test_adapt.py,
+tests/test_bench_adapt.py). `peagle-ray demo` on a tiny target of a family users bring (Llama-3.x: llama3
+rope, 128,256 rows, untied head): the built-in suite's prompts regenerated into data, captured from the
+Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and registered, served with recording on,
+the demo's workload sent through it; then, at the adapt stage (run_demo's on_stage), a narrow workload whose
+greedy answers are known is sent and snapshotted, and paced requests flow while `adapt` fine-tunes the
+drafter on it, judges both versions with stock vLLM, promotes and swaps; and, once the demo is done
+(on_ready), a drafter that cannot load is swapped in (and refused), continuous mode's round with no new
+traffic is skipped, and the endpoint switches to the hybrid under load. Real Ray Serve, vLLM, Ray Train,
+MLflow (the demo's own server)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+from peagle_ray.adapt import adapt_cycle, run_adapt
+from peagle_ray.config import ConfigError, PeagleConfig, build_config, with_values
+from peagle_ray.demo import DemoResult, run_demo
+from peagle_ray.serve.app import free_port, swap_drafter
+
+K = 3
+WORKLOAD = [  # a narrow workload: every prompt comes back several times (a held-out request repeats one)
+    "def parse_config(path):",
+    "SELECT name FROM users WHERE",
+    "import numpy as np\n",
+    "class Stack:\n    def push(self, x):",
+    "The capital of France is",
+    "for i in range(10):",
+    "git commit -m",
+    "Dear customer, thank you for",
+]
+REPEATS = 3
+TOKENS = 16
+DEMO_REQUESTS = 4  # the demo's own workload (builtin-coding chats), recorded beside the narrow one
+
+
+def demo_cfg(tmp: Path, target: Path) -> PeagleConfig:
+    """The demo at a tiny budget; the adaptation's at the loop's (adapt.max_steps steps, one worker)."""
+    general = tmp / "general.jsonl"  # adapt.replay: general data mixed in, never judged as traffic
+    chats = [
+        [{"role": "user", "content": f"Tell me about {i}."}, {"role": "assistant", "content": f"{i} is {i}."}]
+        for i in range(6)
+    ]
+    general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    return build_config(
+        {
+            "target": {"path": str(target), "max_model_len": 512, "kv_cache_gib": 1},
+            "data": {
+                "sources": ["builtin"],
+                "max_length": 160,
+                "regenerate": True,
+                "max_new_tokens": 16,
+                "output_dir": str(tmp / "data"),
+            },
+            "capture": {"mode": "offline", "output_dir": str(tmp / "hidden")},
+            "drafter": {"num_depths": K, "draft_vocab_size": 512},
+            "training": {
+                "num_workers": 1,
+                "max_steps": 4,
+                "learning_rate": 3e-3,
+                "warmup_steps": 10,
+                "sequences_per_step": 4,
+                "segment_length": 64,
+                "validate_every": 1000,
+                "epochs": 1000,
+                "storage_path": str(tmp / "runs"),
+            },
+            "tracking": {"port": free_port()},
+            # K asked for: served with the drafter even where its measured verdict is the target alone (the
+            # tiny target decodes faster than any drafter saves), so that every swap loads a drafter
+            "serving": {"port": free_port(), "log_dir": str(tmp / "logs"), "num_speculative_tokens": K},
+            "eval": {"suite": "mt-bench", "prompts_per_category": 1, "timing_prompts": 2, "max_new_tokens": TOKENS},
+            # adapt reads a snapshot of the recording taken at the adapt stage, not what later requests add
+            "adapt": {
+                "max_steps": 120,
+                "min_requests": 8,
+                "validation_fraction": 0.25,
+                "replay": [str(general)],
+                "traffic_dir": str(tmp / "traffic-snapshot"),
+            },
+            "demo": {"workload": "builtin-coding", "requests": DEMO_REQUESTS, "max_tokens": 8},
+        }
+    )
+
+
+class Traffic:
+    """Requests sent one after another from a thread until stopped (or `count` sent), pause_s apart; each
+    outcome kept. Each request's conversation id is `<tag>-<n>`, so adapt's split of a recording is the same
+    in every run. Paced traffic leaves the 2 cores to training and judging: vLLM's engine busy-polls for 1 s after each step
+    (shm_broadcast busy_loop_s), so a request every second would keep a core spinning."""
+
+    def __init__(self, url, model, expected: dict[str, list[int]], tag: str, pause_s: float = 0.0, count=None):
+        self.api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.model, self.expected, self.tag, self.pause_s, self.count = model, expected, tag, pause_s, count
+        self.ok, self.failed, self.mismatched = 0, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        i = 0
+        while i != self.count and not self._stop.wait(self.pause_s):
+            prompt = WORKLOAD[i % len(WORKLOAD)]
+            metadata = {"conversation_id": f"{self.tag}-{i}"}
+            i += 1
+            try:
+                out = self.api.completions.create(
+                    model=self.model,
+                    prompt=prompt,
+                    max_tokens=TOKENS,
+                    temperature=0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True, "metadata": metadata},
+                )
+            except Exception as err:  # noqa: BLE001 - every failure is the finding
+                self.failed.append(repr(err)[:300])
+                continue
+            self.ok += 1
+            if out.choices[0].token_ids != self.expected[prompt]:
+                self.mismatched.append(prompt)
+
+    def join(self) -> None:
+        """Wait until `count` requests were sent."""
+        self._thread.join()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(180)
+
+
+@dataclass
+class DemoLoop:
+    """Everything the session's demo run did, for the tests to check part by part."""
+
+    cfg: PeagleConfig  # the run's config, its tracking URI the MLflow store the demo's server used
+    tmp: Path
+    outcome: DemoResult
+    console: str  # what a person at the console saw
+    answers: list  # the live endpoint's answer to a chat request, then /v1/speculative_stats
+    recorded: Traffic  # the narrow workload, recorded
+    during: Traffic  # paced requests while adapt ran and swapped
+    failing: Traffic  # paced requests while a drafter that cannot load was swapped in
+    stats: dict  # /v1/speculative_stats after the adaptation
+    after_failure: dict  # ... after the failed swap
+    skipped: object  # continuous mode's round with no new traffic (None: skipped)
+    refusals: dict[str, str] = field(default_factory=dict)  # what adapt refused before and during, by case
+    swap_error: str = ""
+    switching: Traffic | None = None  # paced requests while the endpoint switched to the hybrid decoder
+    hybrid_stats: dict = field(default_factory=dict)  # /v1/speculative_stats on the hybrid
+
+    @property
+    def report(self):
+        return self.outcome.adapt
+
+
+def recorded_lines(directory: Path) -> int:
+    return sum(1 for f in directory.glob("*.jsonl") for _ in f.open())
+
+
+class _Live:
+    """What the hooks saw and sent while the demo ran (run_loop's parts, in the order they happen)."""
+
+    def __init__(self, target: Path, expected: dict[str, list[int]]):
+        self.target, self.expected, self.model = target, expected, target.name
+        self.refusals: dict[str, str] = {}
+        self.parts: dict = {}
+
+    def on_stage(self, name: str, cfg: PeagleConfig, url: str | None) -> None:
+        snapshot = Path(cfg.adapt.traffic_dir or "")
+        if name == "data":  # MLflow is up, nothing is registered: adapt has no version to start from
+            snapshot.mkdir(parents=True)
+            (snapshot / "traffic-0.jsonl").write_text('{"schema": "peagle-traffic/1"}\n')
+            try:
+                run_adapt(cfg)
+            except ConfigError as err:
+                self.refusals["no alias"] = str(err)
+            (snapshot / "traffic-0.jsonl").unlink()
+        elif name == "adapt":  # the endpoint serves the general drafter, the demo's workload is recorded
+            assert url is not None
+            record_dir = Path(cfg.serving.record_dir or "")
+            with Traffic(url, self.model, self.expected, "workload", count=len(WORKLOAD) * REPEATS) as recorded:
+                recorded.join()
+            deadline = time.monotonic() + 60  # the recorder writes off the request path: wait for its lines
+            while recorded_lines(record_dir) < recorded.ok + DEMO_REQUESTS and time.monotonic() < deadline:
+                time.sleep(0.2)
+            shutil.copytree(record_dir, snapshot, dirs_exist_ok=True)
+            try:
+                run_adapt(with_values(cfg, {"adapt.min_requests": 10_000}))
+            except ConfigError as err:
+                self.refusals["too little traffic"] = str(err)
+            self.parts["recorded"] = recorded
+            # paced (see Traffic) through adapt and its swap, until the demo is done (on_ready)
+            self.parts["during"] = Traffic(url, self.model, self.expected, "during", pause_s=3.0).__enter__()
+
+    def on_ready(self, cfg: PeagleConfig, url: str) -> None:
+        """The demo is done, its endpoint live: the chat a user would send, then the loop's live checks."""
+        self.parts["during"].__exit__(None, None, None)
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            answer = json.loads(resp.read())["choices"][0]["message"]["content"]
+        stats = speculative_stats(url)
+        self.parts["answers"], self.parts["stats"] = [answer, stats], stats
+        served, served_label = Path(stats["drafter"]), stats["version"]
+        broken = Path(tempfile.mkdtemp(prefix="broken-", dir=cfg.training.storage_path))
+        shutil.copytree(served, broken, dirs_exist_ok=True)  # weights vLLM cannot load: its replica never starts
+        (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+        (broken / "recommendation.json").unlink(missing_ok=True)  # served as the drafter, whatever adapt chose
+        with Traffic(url, self.model, self.expected, "failing", pause_s=3.0) as failing:
+            try:
+                swap_drafter(cfg, broken, "broken/0", (served, served_label))
+            except RuntimeError as err:
+                self.parts["swap_error"] = str(err)
+        self.parts["failing"], self.parts["after_failure"] = failing, speculative_stats(url)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # continuous mode's round on the unchanged snapshot
+            self.parts["skipped"] = adapt_cycle(cfg)
+        self.refusals["no new traffic"] = printed.getvalue()
+        hybrid = with_values(cfg, {"serving.decoder": "hybrid", "serving.hybrid_threshold": 0.5})
+        with Traffic(url, self.model, self.expected, "switching", pause_s=0.5) as switching:
+            swap_drafter(hybrid, served, served_label, (served, served_label))
+            on_hybrid = switching.ok + 2 * len(WORKLOAD)  # every prompt seen by the new replica, then again
+            deadline = time.monotonic() + 120
+            while switching.ok < on_hybrid and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.parts["switching"] = switching
+        hybrid_stats = settled_stats(url)
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            hybrid_stats["metrics"] = resp.read().decode()
+        self.parts["hybrid_stats"] = hybrid_stats
+
+
+def run_loop(target: Path, tmp: Path, expected: dict[str, list[int]], capture_manager=None) -> DemoLoop:
+    """run_demo (no wait) with the hooks above; pytest's `capture_manager` is suspended while it runs, and
+    what a person at the console would see (file descriptors 1 and 2, from any process) is kept."""
+    cfg = demo_cfg(tmp, target)
+    live = _Live(target, expected)
+    run_cfg: list[PeagleConfig] = []
+
+    def on_stage(name, stage_cfg, url):
+        run_cfg[:] = [stage_cfg]
+        live.on_stage(name, stage_cfg, url)
+
+    suspended = capture_manager.global_and_fixture_disabled() if capture_manager else contextlib.nullcontext()
+    with suspended, _console() as console:  # pytest's own capture off: print() writes to descriptor 1 again
+        try:
+            outcome = run_demo(cfg, wait=False, on_ready=lambda url: live.on_ready(run_cfg[0], url), on_stage=on_stage)
+        finally:
+            if "during" in live.parts:
+                live.parts["during"].__exit__(None, None, None)
+    (tmp / "console.txt").write_text(console.text)
+    storage = Path(run_cfg[0].training.storage_path)
+    store = with_values(run_cfg[0], {"tracking.tracking_uri": f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}"})
+    p = live.parts
+    return DemoLoop(
+        store,
+        tmp,
+        outcome,
+        console.text,
+        p["answers"],
+        p["recorded"],
+        p["during"],
+        p["failing"],
+        p["stats"],
+        p["after_failure"],
+        p["skipped"],
+        live.refusals,
+        p.get("swap_error", ""),
+        p["switching"],
+        p["hybrid_stats"],
+    )
+
+
+class _Captured:
+    text = ""
+
+
+@contextlib.contextmanager
+def _console():
+    """What a person at the console sees, from any process: file descriptors 1 and 2 into a file, restored after."""
+    captured = _Captured()
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(1), os.dup(2)
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")
+
+
+def settled_stats(url, timeout_s: float = 30) -> dict:
+    """/v1/speculative_stats once the hybrid's counts per source (written by its engine core every 0.25 s)
+    have caught up with vLLM's own."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = speculative_stats(url)
+        counted = sum(source["drafts"] for source in stats.get("by_source", {}).values())
+        if counted == stats["drafts"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.3)
+
+
+def speculative_stats(url) -> dict:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none").get("/speculative_stats", cast_to=object)

@@ -50,20 +50,22 @@ SHARED_SCENARIOS = {
 }
 
 
-# Seconds each group took in a two-worker run (stop 50's clean-clone --durations, rounded): the groups are
-# handed out longest first (`--no-loadscope-reorder` keeps this order), so that the two workers end together
-# instead of one starting the longest group late. Only the order matters; a group not listed goes last.
+# Seconds each group took in a two-worker run (stop 51's --durations, rounded): the groups are handed out
+# longest first (`--no-loadscope-reorder` keeps this order), so that the two workers end together instead of
+# one starting the longest group late. Only the order matters; a group not listed goes last.
 GROUP_SECONDS = {
-    "test_multinode.py": 1540,
-    "test_demo.py": 1100,  # with test_adapt.py and test_bench_adapt.py (one scenario)
-    "test_train_job.py": 900,
-    "test_serve_load.py": 600,
-    "test_capture.py": 400,
-    "test_serve.py": 300,
-    "test_eval.py": 250,
-    "test_export.py": 200,
-    "test_shutdown.py": 200,
-    "test_bench_peers.py": 200,
+    "test_multinode.py": 935,
+    "test_train_job.py": 835,  # with test_bench_learning.py (captured_data)
+    "test_demo.py": 770,  # with test_adapt.py and test_bench_adapt.py (demo_loop)
+    "test_serve_load.py": 477,
+    "test_shutdown.py": 359,
+    "test_export.py": 314,
+    "test_eval.py": 184,
+    "test_bench.py": 143,
+    "test_plan.py": 139,
+    "test_target.py": 134,
+    "test_capture.py": 115,
+    "test_serve.py": 99,
 }
 
 

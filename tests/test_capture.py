@@ -14,6 +14,7 @@ from peagle_ray.config import build_config, with_values
 from peagle_ray.data import run as data_stage
 from peagle_ray.data.prepare import BadRows, PreparedData, TokenizedSample
 from peagle_ray.data.run import prompt_writer
+from peagle_ray.serve.app import free_port
 from tests.helpers.train_data import PROMPTS as TRAIN_PROMPTS
 
 PROMPTS = TRAIN_PROMPTS[:6]  # the shared tiny prompts (tests/helpers/train_data.py)
@@ -33,6 +34,7 @@ def session(tiny_target, tmp_path_factory, ray_local):
                 "validation_fraction": 0.3,
             },
             "capture": {"output_dir": str(tmp / "hidden"), "batch_size": 4},
+            "serving": {"port": free_port()},  # Serve's HTTP proxy: not 8000, which another worker may hold
         }
     )
     with target_session(cfg) as s:

@@ -11,6 +11,7 @@ from peagle_ray.config import ConfigError, DrafterConfig, PeagleConfig, with_val
 from peagle_ray.drafter.build import arch_from_target, drafter_for_target
 from peagle_ray.drafter.model import Drafter, rope_frequencies, rotate
 from peagle_ray.export.speculators import export_drafter
+from peagle_ray.serve.app import free_port
 from peagle_ray.target import TargetInfo, drafter_rope, drafter_target, rope_parameters
 from tests.drafter_helpers import tiny_arch
 from tests.helpers.tiny_target import FAMILIES, GPT_OSS_ROPE, LLAMA3_ROPE, build_tiny_target, family_spec
@@ -187,6 +188,7 @@ def test_a_qwen3_target_captures_what_transformers_computes(family_target, tmp_p
         {
             "target": {"path": str(target), "max_model_len": 128, "kv_cache_gib": 1},
             "capture": {"output_dir": str(tmp_path / "hidden")},
+            "serving": {"port": free_port()},  # Serve's HTTP proxy: not 8000, which another worker may hold
         }
     )
     ids = list(range(20, 60))

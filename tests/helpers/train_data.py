@@ -2,6 +2,7 @@
 `captured_data`: prepared and captured once per session through the Serve-hosted tiny target)."""
 
 from peagle_ray.config import build_config
+from peagle_ray.serve.app import free_port
 
 PROMPTS = [
     "Write a haiku about rain.",
@@ -42,6 +43,8 @@ def raw_config(tmp, tiny_target, **training) -> dict:
             **training,
         },
         "tracking": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}"},
+        "serving": {"port": free_port()},  # Serve's HTTP proxy (the capture target starts it): not 8000, which
+        # the other xdist worker's cluster may hold
     }
 
 

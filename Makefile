@@ -10,7 +10,7 @@ setup:
 # Everything CI runs: the formatter check, ruff's lint rules, the type checker, the import-layering contracts (pyproject.toml), every test tier.
 # Two pytest-xdist workers, each file in one of them (tests/conftest.py: SHARED_SCENARIOS).
 test: setup lint
-	$(VENV)/bin/python -m pytest -q -ra -n 2 --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -ra -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)
 
 # The fast tier alone (pure functions, no Ray, vLLM or GPU): well under a minute.
 unit: setup

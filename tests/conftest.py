@@ -9,19 +9,12 @@ or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
-
-# Every Ray cluster the tests start (ray_local, the product's ensure_ray, the two-node cluster) inherits this:
-# Serve gives up on a replica that fails to start after one attempt instead of three (its default), so a
-# drafter that cannot load (tests/helpers/demo_loop.py) is refused after one engine start, not three (~50 s).
-# A replica replaced after a failed health check (test_serve_load.py's killed engine) starts normally.
-os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
 
 from tests.helpers.tiny_target import build_tiny_target
 

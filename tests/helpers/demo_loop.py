@@ -177,7 +177,7 @@ class _Live:
     """What the hooks saw and sent while the demo ran (run_loop's parts, in the order they happen)."""
 
     def __init__(self, target: Path, expected: dict[str, list[int]]):
-        self.target, self.expected, self.model = target, expected, target.name
+        self.expected, self.model = expected, target.name
         self.refusals: dict[str, str] = {}
         self.parts: dict = {}
 

@@ -5,8 +5,8 @@
 # about a minute) into the virtualenv's site-packages as `arctic_inference.suffix_decoding`, with no plugin
 # entry point. `make setup` (scripts/setup.sh) runs it; a second run finds the build and returns at once.
 #     scripts/build_suffix_decoding.sh [DEST]     # DEST: default the venv's site-packages
-# The source comes from the package indexes pip is configured with (`pip config list`: index-url, default
-# PyPI, and extra-index-url), checked against the index's sha256 where it gives one.
+# The source comes from the package indexes pip is configured with (scripts/pip_settings.py reads `pip config
+# list`: index-url, default PyPI, and extra-index-url), checked against the index's sha256 where it gives one.
 set -euo pipefail
 VERSION=0.3.0
 PY="${VENV:-.venv}/bin/python"
@@ -22,21 +22,13 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
 # the source archive itself (pip download would first install its build requirements, torch among them)
-"$PY" - "$VERSION" "$WORK" "$(dirname "$PY")/pip" <<'PYTHON'
-import hashlib, re, subprocess, sys, urllib.parse, urllib.request
+"$PY" - "$VERSION" "$WORK" "$("$PY" "$(dirname "$0")/pip_settings.py" "$(dirname "$PY")/pip" indexes)" <<'PYTHON'
+import hashlib, re, sys, urllib.parse, urllib.request
 from pathlib import Path
 
-version, work, pip = sys.argv[1:]
+version, work, listed = sys.argv[1:]
 name = f"arctic_inference-{version}.tar.gz"
-settings: dict[str, list[tuple[str, str]]] = {}
-for line in subprocess.run([pip, "config", "list"], capture_output=True, text=True, check=True).stdout.splitlines():
-    key, sep, value = line.partition("=")
-    if sep:
-        section, _, option = key.rpartition(".")
-        settings.setdefault(option, []).append((section, value.strip().strip("'\"")))
-rank = {":env:": 0, "download": 1, "install": 2, "global": 3}  # the most specific setting wins, as in pip
-index = min(settings.get("index-url", []), key=lambda s: rank.get(s[0], 9), default=(None, "https://pypi.org/simple"))[1]
-indexes = [index] + [u for _, value in settings.get("extra-index-url", []) for u in value.split()]
+indexes = listed.split()
 
 
 def read(url: str) -> bytes:

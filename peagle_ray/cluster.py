@@ -15,12 +15,23 @@ from pathlib import Path
 
 from peagle_ray import stopping
 
+# Settings of a cluster this process starts, read by Ray's own processes (inherited from this one's environment),
+# unless already set. Serve's controller gives a new HTTP proxy 5 s to answer its first ready check and then
+# kills it (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, Ray 2.60), which makes serve.start() fail with "The actor is
+# dead because it was killed by `ray.kill`" where starting a worker process takes longer: seen on a 2-core box
+# with both cores busy (a proxy worker importing Ray beside a vLLM engine). A cluster started with `ray start`
+# takes the same variable from the environment of `ray start`.
+LOCAL_CLUSTER_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
 
 def ensure_ray() -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`) or start a local one."""
     import ray
 
     if not ray.is_initialized():
+        if not joined_cluster():
+            for name, value in LOCAL_CLUSTER_ENV.items():
+                os.environ.setdefault(name, value)
         # the console keeps warnings; Ray's INFO lines are in /tmp/ray/session_latest/logs
         ray.init(address="auto" if joined_cluster() else None, log_to_driver=False, logging_level=logging.WARNING)
         stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)

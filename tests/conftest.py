@@ -9,6 +9,7 @@ or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -160,6 +161,10 @@ def ray_local():
     """A local Ray cluster for the integration tests (started once, shut down at the end)."""
     import ray
 
+    from peagle_ray.cluster import LOCAL_CLUSTER_ENV
+
+    for name, value in LOCAL_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     from ray import serve

@@ -156,6 +156,18 @@ def test_above_the_batch_cutoff_the_target_decodes_alone_and_stays_lossless(endp
     assert alone >= 4 and batched < 4, (alone, batched)
 
 
+def test_the_local_cluster_gives_serves_proxy_time_to_start(endpoint):
+    """Ray's processes inherit the settings a locally started cluster is given (peagle_ray.cluster)."""
+    import os
+
+    import ray
+
+    from peagle_ray.cluster import LOCAL_CLUSTER_ENV
+
+    seen = ray.get(ray.remote(lambda: {name: os.environ.get(name) for name in LOCAL_CLUSTER_ENV}).remote())
+    assert seen == LOCAL_CLUSTER_ENV
+
+
 def test_speculative_stats_as_json_and_prometheus(endpoint):
     url, model = endpoint
     client(url).completions.create(model=model, prompt="def main():", max_tokens=16, temperature=0)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from peagle_ray.cluster import LOCAL_CLUSTER_ENV
 from peagle_ray.serve.app import free_port
 
 BIN = Path(sys.executable).parent
@@ -65,6 +66,7 @@ class LoopbackCluster:
             "RAY_health_check_period_ms": "1000",
             "RAY_health_check_timeout_ms": "1000",
             "RAY_health_check_failure_threshold": "3",
+            **LOCAL_CLUSTER_ENV,  # Serve's HTTP proxy is given time to start on a busy box
         }
         self.nodes: dict[str, Node] = {}
         self.temp_dirs: list[str] = []  # of every node started, removed ones included

@@ -1,7 +1,7 @@
 """The demo's run, once per test session, with the adaptation loop's live checks inside it (conftest's
 `demo_loop`), for the tests that each check one part (tests/test_demo.py, tests/test_adapt.py,
 tests/test_bench_adapt.py). `peagle-ray demo` on a tiny target of a family users bring (Llama-3.x: llama3
-rope, 128,256 rows, untied head): the built-in suite's prompts regenerated into data, captured from the
+rope, 128,256 rows, untied head): the built-in suite's prompts (4 of each category) regenerated into data, captured from the
 Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and registered, served with recording on,
 the demo's workload sent through it; then, at the adapt stage (run_demo's on_stage), a narrow workload whose
 greedy answers are known is sent and snapshotted, and paced requests flow while `adapt` fine-tunes the
@@ -29,6 +29,7 @@ import openai
 
 from peagle_ray.adapt import adapt_cycle, run_adapt
 from peagle_ray.config import ConfigError, PeagleConfig, build_config, with_values
+from peagle_ray.data.suite import builtin_conversations
 from peagle_ray.demo import DemoResult, run_demo
 from peagle_ray.serve.app import free_port, swap_drafter
 
@@ -56,12 +57,21 @@ def demo_cfg(tmp: Path, target: Path) -> PeagleConfig:
         for i in range(6)
     ]
     general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    builtin = tmp / "builtin-subset.jsonl"  # the general drafter trains 4 steps of 4 sequences: the built-in
+    # suite's first 4 prompts of each category are plenty (all 320 cost ~1 min of regeneration and capture)
+    by_category: dict[str, int] = {}
+    with builtin.open("w") as out:
+        for conversation in builtin_conversations():
+            by_category[conversation.category] = by_category.get(conversation.category, 0) + 1
+            if by_category[conversation.category] <= 4:
+                out.write(json.dumps({"messages": conversation.messages}) + "\n")
     return build_config(
         {
             "target": {"path": str(target), "max_model_len": 512, "kv_cache_gib": 1},
             "data": {
-                "sources": ["builtin"],
+                "sources": [str(builtin)],
                 "max_length": 160,
+                "validation_fraction": 0.25,
                 "regenerate": True,
                 "max_new_tokens": 16,
                 "output_dir": str(tmp / "data"),

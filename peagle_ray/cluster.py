@@ -30,12 +30,18 @@ def ensure_ray() -> None:
 
     if not ray.is_initialized():
         if not joined_cluster():
-            for name, value in LOCAL_CLUSTER_ENV.items():
-                os.environ.setdefault(name, value)
+            set_local_cluster_env()
         # the console keeps warnings; Ray's INFO lines are in /tmp/ray/session_latest/logs
         ray.init(address="auto" if joined_cluster() else None, log_to_driver=False, logging_level=logging.WARNING)
         stopping.reinstall()  # ray.init replaced SIGTERM's handler with sys.exit(15)
     quiet_serve_console()
+
+
+def set_local_cluster_env() -> None:
+    """LOCAL_CLUSTER_ENV into this process's environment, where not set already: call before ray.init starts a
+    local cluster (its processes inherit it)."""
+    for name, value in LOCAL_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def ray_running() -> bool:

@@ -9,7 +9,6 @@ or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -161,10 +160,9 @@ def ray_local():
     """A local Ray cluster for the integration tests (started once, shut down at the end)."""
     import ray
 
-    from peagle_ray.cluster import LOCAL_CLUSTER_ENV
+    from peagle_ray.cluster import set_local_cluster_env
 
-    for name, value in LOCAL_CLUSTER_ENV.items():
-        os.environ.setdefault(name, value)
+    set_local_cluster_env()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     from ray import serve

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import shutil
@@ -29,7 +30,7 @@ import openai
 
 from peagle_ray.adapt import adapt_cycle, run_adapt
 from peagle_ray.config import ConfigError, PeagleConfig, build_config, with_values
-from peagle_ray.data.suite import builtin_conversations
+from peagle_ray.data.suite import CATEGORIES, builtin_conversations
 from peagle_ray.demo import DemoResult, run_demo
 from peagle_ray.serve.app import free_port, swap_drafter
 
@@ -59,12 +60,8 @@ def demo_cfg(tmp: Path, target: Path) -> PeagleConfig:
     general.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
     builtin = tmp / "builtin-subset.jsonl"  # the general drafter trains 4 steps of 4 sequences: the built-in
     # suite's first 4 prompts of each category are plenty (all 320 cost ~1 min of regeneration and capture)
-    by_category: dict[str, int] = {}
-    with builtin.open("w") as out:
-        for conversation in builtin_conversations():
-            by_category[conversation.category] = by_category.get(conversation.category, 0) + 1
-            if by_category[conversation.category] <= 4:
-                out.write(json.dumps({"messages": conversation.messages}) + "\n")
+    subset = (c for category in CATEGORIES for c in itertools.islice(builtin_conversations((category,)), 4))
+    builtin.write_text("".join(json.dumps({"messages": c.messages}) + "\n" for c in subset))
     return build_config(
         {
             "target": {"path": str(target), "max_model_len": 512, "kv_cache_gib": 1},

@@ -144,8 +144,12 @@ def test_the_plugin_patches_only_the_runner_signatures_it_was_written_for():
 @pytest.mark.vllm
 def test_the_installed_vllm_has_the_runner_the_plugin_wraps():
     """Fails the day vLLM changes the model runner underneath the hybrid (then re-pin, as Arctic Inference does)."""
+    import vllm
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from peagle_ray.hybrid import installed_vllm
+
+    assert installed_vllm() == vllm.__version__  # read from the distribution's metadata, without importing vLLM
     assert runner_problem(GPUModelRunner) is None
     assert getattr(GPUModelRunner, "_peagle_hybrid", True) is not False
 

@@ -320,6 +320,23 @@ def test_auth_is_off_by_default_and_loopback_is_the_default_host(tiny_target, dr
     assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 3
 
 
+def test_the_same_endpoint_deployed_again_keeps_its_version(tiny_target, drafter_dir):
+    """swap_drafter's way back deploys what already runs: the same version, so Serve restarts nothing."""
+    from peagle_ray.serve.app import endpoint_app
+
+    def version(cfg, drafter, **kwargs):
+        app = endpoint_app(cfg, tiny_target, drafter, **kwargs)
+        return app._bound_deployment.version  # noqa: SLF001 - what Serve compares between deploys
+
+    cfg = build_config({})
+    drafter = read_drafter(drafter_dir)
+    first = version(cfg, drafter)
+    assert first is not None and version(build_config({}), read_drafter(drafter_dir)) == first
+    assert version(cfg, drafter, start_attempts=1) == first  # a deployment setting, not what the replica runs
+    assert version(cfg, None) != first  # the target alone
+    assert version(build_config({"serving": {"max_prompt_tokens": 100}}), drafter) != first
+
+
 def test_drafter_with_pickled_weights_is_refused(drafter_dir, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -21,6 +21,7 @@ parallel_drafting), vLLM's suffix decoding, or both (the hybrid, peagle_ray/hybr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from ray import serve
 
+from peagle_ray import __version__
 from peagle_ray.cluster import ensure_serve_http
 from peagle_ray.config import ConfigError, PeagleConfig
 from peagle_ray.engine import cli_args, engine_args, target_engine_env, use_local_cores
@@ -314,9 +316,12 @@ class _no_lifespan:
         return False
 
 
-def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None):
+def endpoint_app(
+    cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None, start_attempts=None
+):
     """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter.
-    What it decodes with is serving_decoder's choice."""
+    What it decodes with is serving_decoder's choice. `start_attempts`: how many times Serve starts a replica
+    that fails before the deployment fails (None: Serve's default, 3 for one replica)."""
     served = serving_decoder(cfg, drafter, k)
     spec = EndpointSpec(
         vllm_args(cfg, target_dir, served), str(target_dir), request_limits(cfg), served, recording(cfg)
@@ -325,10 +330,27 @@ def endpoint_app(cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | Non
         cfg.target, {}, cfg.serving.num_gpus > 0
     )  # only the engine settings, not this process's environment
     options = {"num_cpus": 0, "num_gpus": cfg.serving.num_gpus, "runtime_env": {"env_vars": env}}
+    retries = {} if start_attempts is None else {"max_constructor_retry_count": start_attempts}
     # max_surge_percent 100: on a new drafter the old replica serves until its replacement is ready (swap)
     return OpenAIEndpoint.options(  # type: ignore[attr-defined]  # @serve.deployment made it a Deployment
-        ray_actor_options=options, max_surge_percent=100
+        ray_actor_options=options, max_surge_percent=100, **retries, **deployment_version(spec, options)
     ).bind(spec)
+
+
+def deployment_version(spec: EndpointSpec, actor_options: dict) -> dict:
+    """Deployment options naming the version of what the replicas run: the same spec and actor options (and
+    peagle-ray release) give the same version, so deploying what already runs restarts nothing (swap_drafter's
+    way back to the drafter that serves). serve.run otherwise draws a random version each time, and every
+    deploy replaced the replicas (one replica start: ~1.5 min on a busy CPU box). Serve keeps `version` out of
+    its public options since Ray 2.x ("Serve manages deployment versions internally"); `_internal` is the
+    door its own declarative path uses. Returns {} where this Ray has no such door."""
+    import inspect
+
+    parameters = inspect.signature(serve.Deployment.options).parameters
+    if "version" not in parameters or "_internal" not in parameters:
+        return {}
+    key = json.dumps([repr(spec), repr(sorted(actor_options.items())), __version__])
+    return {"version": hashlib.sha256(key.encode()).hexdigest()[:16], "_internal": True}
 
 
 def serving_decoder(cfg: PeagleConfig, drafter: DrafterInfo | None, k: int | None = None) -> ServedDecoder:
@@ -407,21 +429,24 @@ def endpoint_running() -> bool:
 def swap_drafter(cfg: PeagleConfig, drafter_dir: Path, version: str | None, previous: tuple[Path, str | None]) -> None:
     """Roll the running endpoint onto another drafter without dropping a request: Serve starts a replica
     with the new drafter while the old one serves (max_surge_percent), routes to it once it is ready, and
-    drains the old one. A new replica that fails to start raises RuntimeError after the application is
-    put back on `previous` (drafter dir, version), which is still serving."""
+    drains the old one. A new replica that fails to start (once: no retries) raises RuntimeError after the
+    application is put back on `previous` (drafter dir, version), whose replicas never stopped serving."""
     from peagle_ray.config import with_values
     from peagle_ray.target import resolve_target_path
 
     target = resolve_target_path(cfg)
 
-    def deploy(directory: Path, label: str | None) -> None:
+    def deploy(directory: Path, label: str | None, start_attempts: int | None = None) -> None:
         versioned = with_values(cfg, {"serving.drafter_version": label})
-        serve.run(endpoint_app(versioned, target, read_drafter(directory)), name=APP_NAME, route_prefix="/")
+        app = endpoint_app(versioned, target, read_drafter(directory), start_attempts=start_attempts)
+        serve.run(app, name=APP_NAME, route_prefix="/")
 
     try:
-        deploy(drafter_dir, version)
+        # one start attempt: the old replicas serve meanwhile, and a drafter that cannot load fails the swap
+        # after one replica start instead of Serve's three (~2 min each on a busy CPU box)
+        deploy(drafter_dir, version, start_attempts=1)
     except Exception as err:  # noqa: BLE001 - Serve raises its own types for a failed deployment
-        deploy(*previous)  # the old replicas match this version: Serve keeps them, nothing restarts
+        deploy(*previous)  # the old replicas have this version (deployment_version): Serve keeps them
         raise RuntimeError(
             f"swapping in drafter {drafter_dir} ({version}) failed: {err}; {previous[0]} keeps serving"
         ) from err

@@ -317,7 +317,11 @@ class _no_lifespan:
 
 
 def endpoint_app(
-    cfg: PeagleConfig, target_dir: Path, drafter: DrafterInfo | None, k: int | None = None, start_attempts=None
+    cfg: PeagleConfig,
+    target_dir: Path,
+    drafter: DrafterInfo | None,
+    k: int | None = None,
+    start_attempts: int | None = None,
 ):
     """The Serve application (bind only; `serve run` / `serve.run` deploys it); drafter from read_drafter.
     What it decodes with is serving_decoder's choice. `start_attempts`: how many times Serve starts a replica

@@ -242,6 +242,19 @@ def test_the_learning_rate_warms_up_from_zero_then_decays_by_cosine():
     assert lrs == [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464]
 
 
+@pytest.mark.slow  # importing transformers.optimization: ~7 s
+@pytest.mark.parametrize("warmup, total", [(0, 5), (2, 6), (10, 4), (3, 3), (7, 100)])
+def test_warmup_cosine_is_transformers_schedule_value_for_value(warmup, total):
+    from transformers import get_cosine_schedule_with_warmup
+
+    from peagle_ray.train.step import warmup_cosine
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = get_cosine_schedule_with_warmup(optimizer, warmup, total).lr_lambdas[0]
+    steps = range(total + 3)  # past the end too (0 there)
+    assert [warmup_cosine(s, warmup, total) for s in steps] == [theirs(s) for s in steps]
+
+
 @pytest.mark.parametrize(
     "algorithm, expected",
     [("peagle", [3.032077, 3.718851, 2.630405, 2.698207]), ("eagle3", [3.852658, 3.746392, 3.401128, 3.088501])],

@@ -180,6 +180,19 @@ def init_from_target(
     return layers, [name for name in names if name not in found]
 
 
+def mask_token(target_dir: Path, drafter_cfg: DrafterConfig, tokenizer=None) -> MaskToken | None:
+    """P-EAGLE's mask token for this target (vocab.resolve_mask_token: drafter.mask_token_id, else from
+    `tokenizer`, default the target's); None for EAGLE-3. Loading the tokenizer imports transformers (~5-10 s
+    of CPU): the training driver chooses once and hands every worker the id (WorkerPlan.mask_token_id)."""
+    if drafter_cfg.algorithm != "peagle":
+        return None
+    if tokenizer is None and drafter_cfg.mask_token_id is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return resolve_mask_token(tokenizer, text_config(target_dir)["vocab_size"], drafter_cfg.mask_token_id)
+
+
 def drafter_for_target(
     target_dir: Path,
     drafter_cfg: DrafterConfig,
@@ -189,20 +202,17 @@ def drafter_for_target(
     tokenizer=None,
     init_from: str | None = None,
     feature_scale: torch.Tensor | None = None,
+    mask: MaskToken | None = None,
 ) -> tuple[Drafter, Teacher, MaskToken | None]:
     """Everything from config: mask token (P-EAGLE), draft vocabulary from token counts, arch, weights
     (the target's layers where drafter.init_from_target says so; then another drafter's, when `init_from` names one: training.init_from), then `feature_scale` on fc's
     input (drafter.normalize_features; the function is kept, see Drafter.set_feature_scale).
 
-    `tokenizer` defaults to the target's; when the mask token has to be added it is added to this object.
+    `mask`: the mask token mask_token chose (a training worker gets the driver's); None: chosen here, with
+    `tokenizer` (default: the target's; when the mask token has to be added it is added to this object).
     """
-    from transformers import AutoTokenizer
-
     info_vocab = text_config(target_dir)["vocab_size"]
-    mask = None
-    if drafter_cfg.algorithm == "peagle":
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
-        mask = resolve_mask_token(tokenizer, info_vocab, drafter_cfg.mask_token_id)
+    mask = mask or mask_token(target_dir, drafter_cfg, tokenizer)
     counts = token_counts if token_counts is not None else torch.ones(info_vocab)
     inherited = initial_vocabulary(init_from, info_vocab) if init_from is not None else None
     d2t, t2d = inherited or draft_vocabulary(counts, drafter_cfg.draft_vocab_size)

@@ -235,7 +235,10 @@ def run_training(cfg: PeagleConfig) -> TrainResult:
 
 
 def worker_plan(cfg: PeagleConfig, inputs: TrainInputs, uri: str, run_id: str, storage: Path) -> WorkerPlan:
-    """What every worker gets from the driver."""
+    """What every worker gets from the driver (the mask token chosen here: no worker loads the tokenizer)."""
+    from peagle_ray.drafter.build import mask_token
+
+    mask = mask_token(inputs.info.path, cfg.drafter)
     return WorkerPlan(
         config=cfg.model_dump(mode="json"),
         target_dir=str(inputs.info.path),
@@ -247,6 +250,7 @@ def worker_plan(cfg: PeagleConfig, inputs: TrainInputs, uri: str, run_id: str, s
         crash_marker=str(layout.crash_marker(storage, cfg.training.run_name)),
         offline_dir=str(Path(cfg.capture.output_dir).resolve()) if cfg.capture.mode == "offline" else None,
         feature_scale=inputs.feature_scale,
+        mask_token=None if mask is None else (mask.id, mask.source),
     )
 
 

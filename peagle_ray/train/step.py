@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -263,13 +265,25 @@ def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Genera
 def make_optimizer(
     drafter: torch.nn.Module, cfg: TrainingConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over trainable parameters; transformers' linear warm-up (from 0) then cosine decay to 0 at
-    max_steps. e.g. warmup 2, max 6, lr 1: 0, 0.5, 1, 0.854, 0.5, 0.146."""
-    from transformers import get_cosine_schedule_with_warmup
-
+    """AdamW over trainable parameters; linear warm-up (from 0) then cosine decay to 0 at max_steps
+    (warmup_cosine). e.g. warmup 2, max 6, lr 1: 0, 0.5, 1, 0.854, 0.5, 0.146."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    factor = functools.partial(warmup_cosine, warmup=cfg.warmup_steps, total=cfg.max_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """The learning-rate factor at `step`: linear from 0 over `warmup` steps, then half a cosine down to 0 at
+    `total` -- transformers' get_cosine_schedule_with_warmup, value for value (tests/test_drafter.py compares
+    them). Not imported from there: transformers.optimization costs ~7 s of CPU to import, paid by every
+    Ray Train worker that starts (twice per run on two workers, again on each restart).
+
+    e.g. warmup 2, total 6: steps 0..5 -> 0, 0.5, 1, 0.854, 0.5, 0.146."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def train_step(

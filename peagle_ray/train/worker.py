@@ -30,6 +30,7 @@ from peagle_ray import layout
 from peagle_ray.config import PeagleConfig
 from peagle_ray.drafter.build import drafter_for_target
 from peagle_ray.drafter.replay import Acceptance, replay_greedy
+from peagle_ray.drafter.vocab import MaskToken
 from peagle_ray.tracking import MetricLog
 from peagle_ray.train.checkpoint import load_checkpoint, save_checkpoint
 from peagle_ray.train.elements import TrainSequence
@@ -261,6 +262,7 @@ class WorkerPlan:
     crash_marker: str  # written by a worker crashed on purpose (training.crash_once_at_step)
     offline_dir: str | None  # the captured shards each rank reads (capture.mode offline); None: Ray Datasets
     feature_scale: list[float] | None  # drafter.normalize_features' per-channel scale
+    mask_token: tuple[int, str] | None = None  # P-EAGLE's (id, how chosen): build.mask_token on the driver
 
 
 @dataclass
@@ -296,6 +298,7 @@ def build_rank(plan: WorkerPlan) -> Rank:
         torch.Generator().manual_seed(cfg.training.seed),
         init_from=cfg.training.init_from,
         feature_scale=None if plan.feature_scale is None else torch.tensor(plan.feature_scale),
+        mask=None if plan.mask_token is None else MaskToken(*plan.mask_token),  # no tokenizer loaded here
     )
     device = ray.train.torch.get_device() if cfg.training.use_gpu else torch.device("cpu")
     if device.type == "cpu":

@@ -183,7 +183,7 @@ def init_from_target(
 def mask_token(target_dir: Path, drafter_cfg: DrafterConfig, tokenizer=None) -> MaskToken | None:
     """P-EAGLE's mask token for this target (vocab.resolve_mask_token: drafter.mask_token_id, else from
     `tokenizer`, default the target's); None for EAGLE-3. Loading the tokenizer imports transformers (~5-10 s
-    of CPU): the training driver chooses once and hands every worker the id (WorkerPlan.mask_token_id)."""
+    of CPU): the training driver chooses once and hands every worker its id and origin (WorkerPlan.mask_token)."""
     if drafter_cfg.algorithm != "peagle":
         return None
     if tokenizer is None and drafter_cfg.mask_token_id is None:

@@ -435,7 +435,8 @@ def test_compare_times_engines_side_by_side_in_groups_and_keeps_a_failing_peer_a
     broken = compare.Candidate("broken", {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
                                           "prompt_lookup_min": 3})  # fmt: skip
     judged = compare.compare(cfg, tiny_target, [compare.ngram(2), broken, compare.suffix(3)], prompts, 2)
-    assert list(judged.runs) == ["ngram", "suffix"] and "failed" in judged.notes["broken"]
+    assert list(judged.runs) == ["ngram", "suffix"]
+    assert "prompt_lookup_min=3 must be <= prompt_lookup_max=1" in judged.notes["broken"]["failed"]  # the cause
     assert judged.baselines["ngram"] is not judged.baselines["suffix"]  # each timed beside its own target engine
     for name in ("ngram", "suffix"):
         rows = judged.rows(name)
@@ -445,6 +446,35 @@ def test_compare_times_engines_side_by_side_in_groups_and_keeps_a_failing_peer_a
         base = judged.baselines[name]
         assert base.acceptance == judged.baseline.acceptance and len(base.timing["a"]["per_prompt"]) == 2
     assert set(judged.overall()) == {"target", "ngram", "suffix", "broken"}
+
+
+@pytest.mark.vllm
+def test_an_engine_forked_by_the_engine_host_decodes_as_one_started_alone(tiny_target, tmp_path, monkeypatch):
+    """On CPU each evaluation engine is forked from this process's engine host (vLLM imported once): one host
+    serves consecutive runs, a relative target path is read from the driver's directory, and a forked engine's
+    tokens and vLLM counters are those of an engine started as a process of its own."""
+    from peagle_ray.config import build_config
+    from peagle_ray.eval import compare
+
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "eval": {"max_new_tokens": 12},
+            "serving": {"log_dir": str(tmp_path / "logs")},
+        }
+    )
+    host = compare.engine_host(cfg)  # started here (or earlier), in another directory than the runs below
+    monkeypatch.chdir(tiny_target.parent)
+    target, spec = Path(tiny_target.name), compare.ngram(2).spec
+    prompts = {"a": [[1, 5, 9, 5, 9, 5], [2, 7, 7, 7]], "b": [[8, 8, 8, 8]]}
+    forked = compare.run_engine(cfg, target, spec, prompts, 1)
+    again = compare.run_engine(cfg, target, spec, prompts, 1)
+    assert compare.engine_host(cfg) is host and host.alive()  # the same host forked both
+    monkeypatch.setattr(compare, "engine_host", lambda cfg: None)
+    alone = compare.run_engine(cfg, target, spec, prompts, 1)
+    for run in (forked, again):
+        assert run.acceptance == alone.acceptance  # tokens and counters, category by category
+        assert [len(run.timing[c]["per_prompt"]) for c in "ab"] == [1, 1]
 
 
 @pytest.mark.vllm

@@ -18,11 +18,15 @@ A peer whose engine fails is kept as a note instead of a row ({"failed": why}); 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,9 +217,10 @@ def judge_group(
             raise err
         notes[name] = {"failed": str(err)}
 
+    host = engine_host(cfg)
     try:
         for d in decoders:  # started together; each waits for its own engine
-            engines[d.name] = DrivenEngine(cfg, target_dir, d, prompts, counts, gpu_share)
+            engines[d.name] = DrivenEngine(cfg, target_dir, d, prompts, counts, gpu_share, host)
         for name in list(engines):
             try:
                 engines[name].ready()
@@ -252,10 +257,19 @@ def _on_gpu() -> bool:
 
 
 class DrivenEngine:
-    """A vllm_run process (eval/vllm_run.py): started at once, then asked command by
-    command; its log goes to serving.log_dir/eval-engine.log."""
+    """A vllm_run process (eval/vllm_run.py), forked by `host` where there is one (CPU) or started on its own:
+    started at once, then asked command by command; its log goes to serving.log_dir/eval-engine.log."""
 
-    def __init__(self, cfg, target_dir, decoder: Candidate, prompts, counts, gpu_share: int | None):
+    def __init__(
+        self,
+        cfg,
+        target_dir,
+        decoder: Candidate,
+        prompts,
+        counts,
+        gpu_share: int | None,
+        host: EngineHost | None = None,
+    ):
         spec_config = decoder.spec or None
         self.what = f"evaluation engine ({decoder.name}: {spec_config or 'target only'})"
         spec = engine_spec(cfg, target_dir, spec_config, prompts, counts, decoder.warmup)
@@ -273,6 +287,12 @@ class DrivenEngine:
         spec_file.write_text(json.dumps(spec))
         self.log = Path(cfg.serving.log_dir) / "eval-engine.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self.finished = False
+        if host is not None:  # forked by this process's engine host (vLLM already imported there)
+            self.pid, self.commands, self.replies = host.fork(spec_file, self.log)
+            return
         read, write = os.pipe()
         with self.log.open("a") as sink:
             self.proc = subprocess.Popen(
@@ -286,31 +306,137 @@ class DrivenEngine:
             )
         os.close(write)
         self.replies = os.fdopen(read)
+        assert self.proc.stdin is not None
+        self.commands = self.proc.stdin
 
     def _answer(self):
         line = self.replies.readline()
         if not line:
-            raise RuntimeError(f"{self.what} failed with exit code {self.proc.wait()}; log: {self.log}")
-        return json.loads(line)
+            code = self.proc.wait() if self.proc is not None else "unknown (forked by the engine host)"
+            raise RuntimeError(f"{self.what} failed with exit code {code}; log: {self.log}")
+        answer = json.loads(line)
+        if isinstance(answer, dict) and "error" in answer:  # vllm_run's own report (eval/vllm_run.py driven)
+            raise RuntimeError(f"{self.what} failed: {answer['error']}; log: {self.log}")
+        return answer
 
     def ready(self) -> None:
         self._answer()
 
     def ask(self, command: dict):
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps(command) + "\n")
-            self.proc.stdin.flush()
+            self.commands.write(json.dumps(command) + "\n")
+            self.commands.flush()
         except BrokenPipeError:
             pass  # the process ended: _answer reads its exit
-        return self._answer()
+        answer = self._answer()
+        self.finished = "finish" in command
+        return answer
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+        elif self.pid is not None and not self.finished:  # a finished engine exits by itself
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                self.commands.close()
         self.replies.close()
         self.tmp.cleanup()
+
+
+class EngineHost:
+    """A process that imports vLLM once and forks each evaluation engine from it (eval/vllm_run.py `--host`):
+    a fresh process pays the import (~20 CPU-s on the 2-core box) before its LLM(), a forked one does not
+    (~10 CPU-s in all for an engine on the tiny target, against ~32). CPU only: a process that forks must not
+    have touched CUDA. One per driver process and engine environment (`engine_host`), kept until the process
+    exits; it ends when its socket closes (the driver exited or was killed)."""
+
+    def __init__(self, env: dict[str, str], log: Path):
+        import socket
+
+        self.sock, theirs = socket.socketpair()
+        self.log = log
+        self.lock = threading.Lock()  # one fork request at a time (comparisons may run in threads)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as sink:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "peagle_ray.eval.vllm_run", "--host", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+                pass_fds=(theirs.fileno(),),
+            )
+        theirs.close()
+        self.answers = self.sock.makefile("r")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, spec_file: Path, log: Path):
+        """(pid, commands file, replies file) of a driven engine forked for `spec_file`, logging to `log`."""
+        import socket
+
+        commands_r, commands_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        sink = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            with self.lock:
+                request = json.dumps({"spec": str(spec_file), "cwd": os.getcwd()}).encode()
+                socket.send_fds(self.sock, [request], [commands_r, replies_w, sink])
+                line = self.answers.readline()
+        except OSError as err:
+            line = ""
+            why = f" ({err})"
+        else:
+            why = ""
+        finally:
+            for fd in (commands_r, replies_w, sink):
+                os.close(fd)
+        if not line:
+            os.close(commands_w)
+            os.close(replies_r)
+            code = self.proc.wait()
+            raise RuntimeError(f"the evaluation's engine host ended with exit code {code}{why}; log: {self.log}")
+        return int(line), os.fdopen(commands_w, "w"), os.fdopen(replies_r)
+
+    def close(self) -> None:
+        self.answers.close()
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_HOSTS: dict[tuple, EngineHost] = {}
+# what an engine's environment is made of (target_engine_env); the rest of os.environ (PYTEST_CURRENT_TEST, ...)
+# does not choose the host
+ENGINE_ENV = ("VLLM_", "OMP_", "KMP_", "LD_", "CUDA_", "HF_", "TRANSFORMERS_", "TORCH", "PEAGLE_", "PYTHON")
+
+
+def engine_host(cfg) -> EngineHost | None:
+    """This process's engine host for cfg's engine environment, started on first use (None on a GPU: engines
+    there start as processes of their own)."""
+    if _on_gpu():
+        return None
+    env = target_engine_env(cfg.target, on_gpu=False)
+    key = tuple(sorted((name, value) for name, value in env.items() if name.startswith(ENGINE_ENV)))
+    host = _HOSTS.get(key)
+    if host is None or not host.alive():
+        if not _HOSTS:
+            atexit.register(close_hosts)
+        host = _HOSTS[key] = EngineHost(env, Path(cfg.serving.log_dir) / "eval-engine.log")
+    return host
+
+
+def close_hosts() -> None:
+    """End this process's engine hosts (at exit; their engines were closed with their comparisons)."""
+    while _HOSTS:
+        _HOSTS.popitem()[1].close()
 
 
 def engine_spec(cfg, target_dir, spec_config, prompts: Prompts, counts: dict[str, int], warmup) -> dict:
@@ -336,9 +462,8 @@ def run_engine(
     count for all, or {category: count}) are timed at batch 1; `warmup` prompts are generated first,
     unmeasured. Comparisons time engines side by side instead (`compare`)."""
     counts = timing_counts(prompts, timing_prompts)
-    engine = DrivenEngine(
-        cfg, target_dir, Candidate("alone", spec_config or {}, list(warmup or [])), prompts, counts, None
-    )
+    alone = Candidate("alone", spec_config or {}, list(warmup or []))
+    engine = DrivenEngine(cfg, target_dir, alone, prompts, counts, None, engine_host(cfg))
     try:
         engine.ready()
         for category, n in counts.items():

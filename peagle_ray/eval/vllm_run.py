@@ -2,6 +2,7 @@
 inside it, engine.py), driven command by command by eval/compare.py:
 
     python -m peagle_ray.eval.vllm_run SPEC.json --driven FD   # driven by eval/compare.py, prompt by prompt
+    python -m peagle_ray.eval.vllm_run --host FD               # CPU: imports vLLM once, forks each driven engine
 
 SPEC: {"engine_args" (engine.engine_args, with or without a drafter), "max_new_tokens",
        "acceptance": {category: [prompt ids, ...]}, "timing": {category: n (the first n acceptance prompts)},
@@ -145,6 +146,95 @@ def serve_commands(spec: dict, replies) -> None:
             return
 
 
+# What every engine's LLM() imports (the hybrid plugin's runner, the CPU worker, the engine core): imported once
+# in the host instead of in each child (~2.5 s each on the tiny target).
+PRELOAD = (
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.layers.fused_moe",
+    "vllm.lora.layers",
+)
+
+
+def preload() -> None:
+    """vLLM and PRELOAD imported (a module missing from this vLLM release is skipped), then the heap frozen:
+    a forked child's collections skip what it inherited (and leave those pages shared)."""
+    import gc
+    import importlib
+
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            print(f"[engine host] {name} not preloaded: {err}", file=sys.stderr, flush=True)
+    gc.freeze()
+
+
+def host(sock_fd: int) -> None:
+    """`--host FD` (CPU only; eval/compare.py EngineHost): vLLM imported once, then one driven engine forked per
+    request on the UNIX socket FD. A request is {"spec": SPEC's path, "cwd": the driver's} with three descriptors
+    (commands in, replies out, the log); the answer is the child's pid on a line. Ends when the socket closes."""
+    import signal
+    import socket
+
+    preload()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+    sock = socket.socket(fileno=sock_fd)
+    while True:
+        try:
+            message, fds, _flags, _addr = socket.recv_fds(sock, 4096, 3)
+        except OSError:
+            return
+        if not message:
+            return
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd, std in ((fds[0], 0), (fds[2], 1), (fds[2], 2)):  # stdin: commands; stdout, stderr: the log
+                    os.dup2(fd, std)
+                request = json.loads(message)
+                os.chdir(request["cwd"])  # the driver's: paths in SPEC may be relative to it
+                code = driven(Path(request["spec"]), os.fdopen(fds[1], "w"))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(f"{pid}\n".encode())
+
+
+def driven(spec_file: Path, replies) -> int:
+    """serve_commands for SPEC's file; on an error its traceback goes to the log and {"error": what} to
+    `replies` (eval/compare.py raises it, naming the log). The exit code."""
+    import traceback
+
+    try:
+        serve_commands(json.loads(spec_file.read_text()), replies)
+        return 0
+    except Exception as err:  # noqa: BLE001 - reported to the driver, which decides
+        traceback.print_exc()
+        try:
+            replies.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
+            replies.flush()
+        except OSError:
+            pass  # the driver is gone
+        return 1
+
+
 if __name__ == "__main__":
-    spec_file, _driven, fd = sys.argv[1:]
-    serve_commands(json.loads(Path(spec_file).read_text()), os.fdopen(int(fd), "w"))
+    if sys.argv[1] == "--host":
+        host(int(sys.argv[2]))
+    else:
+        spec_file, _driven, fd = sys.argv[1:]
+        sys.exit(driven(Path(spec_file), os.fdopen(int(fd), "w")))

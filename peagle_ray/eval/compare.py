@@ -289,7 +289,7 @@ class DrivenEngine:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
-        self.finished = False
+        self.ended = False  # a forked engine that answered `finish`, reported an error or closed its pipe
         if host is not None:  # forked by this process's engine host (vLLM already imported there)
             self.pid, self.commands, self.replies = host.fork(spec_file, self.log)
             return
@@ -312,10 +312,12 @@ class DrivenEngine:
     def _answer(self):
         line = self.replies.readline()
         if not line:
+            self.ended = True
             code = self.proc.wait() if self.proc is not None else "unknown (forked by the engine host)"
             raise RuntimeError(f"{self.what} failed with exit code {code}; log: {self.log}")
         answer = json.loads(line)
         if isinstance(answer, dict) and "error" in answer:  # vllm_run's own report (eval/vllm_run.py driven)
+            self.ended = True
             raise RuntimeError(f"{self.what} failed: {answer['error']}; log: {self.log}")
         return answer
 
@@ -329,7 +331,7 @@ class DrivenEngine:
         except BrokenPipeError:
             pass  # the process ended: _answer reads its exit
         answer = self._answer()
-        self.finished = "finish" in command
+        self.ended = self.ended or "finish" in command
         return answer
 
     def close(self) -> None:
@@ -337,7 +339,7 @@ class DrivenEngine:
             if self.proc.poll() is None:
                 self.proc.kill()
             self.proc.wait()
-        elif self.pid is not None and not self.finished:  # a finished engine exits by itself
+        elif self.pid is not None and not self.ended:  # an ended engine exits by itself (its pid may be reused)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             with contextlib.suppress(OSError):
@@ -413,6 +415,7 @@ class EngineHost:
 
 
 _HOSTS: dict[tuple, EngineHost] = {}
+_HOSTS_LOCK = threading.Lock()
 # what an engine's environment is made of (target_engine_env); the rest of os.environ (PYTEST_CURRENT_TEST, ...)
 # does not choose the host
 ENGINE_ENV = ("VLLM_", "OMP_", "KMP_", "LD_", "CUDA_", "HF_", "TRANSFORMERS_", "TORCH", "PEAGLE_", "PYTHON")
@@ -425,18 +428,19 @@ def engine_host(cfg) -> EngineHost | None:
         return None
     env = target_engine_env(cfg.target, on_gpu=False)
     key = tuple(sorted((name, value) for name, value in env.items() if name.startswith(ENGINE_ENV)))
-    host = _HOSTS.get(key)
-    if host is None or not host.alive():
-        if not _HOSTS:
-            atexit.register(close_hosts)
-        host = _HOSTS[key] = EngineHost(env, Path(cfg.serving.log_dir) / "eval-engine.log")
-    return host
+    with _HOSTS_LOCK:
+        host = _HOSTS.get(key)
+        if host is None or not host.alive():
+            host = _HOSTS[key] = EngineHost(env, Path(cfg.serving.log_dir) / "eval-engine.log")
+        return host
 
 
+@atexit.register
 def close_hosts() -> None:
     """End this process's engine hosts (at exit; their engines were closed with their comparisons)."""
-    while _HOSTS:
-        _HOSTS.popitem()[1].close()
+    with _HOSTS_LOCK:
+        while _HOSTS:
+            _HOSTS.popitem()[1].close()
 
 
 def engine_spec(cfg, target_dir, spec_config, prompts: Prompts, counts: dict[str, int], warmup) -> dict:

@@ -166,8 +166,7 @@ def preload() -> None:
     import gc
     import importlib
 
-    import vllm  # noqa: F401
-    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401 - what every child's Decoder imports first
 
     for name in PRELOAD:
         try:

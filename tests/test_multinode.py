@@ -202,7 +202,9 @@ def test_training_spreads_over_both_nodes_matches_one_node_and_resumes_after_los
     after = [
         abs(a - b) / abs(b) for (_, a), (_, b) in zip(history[reached + 1 :], one_node[reached + 1 :], strict=True)
     ]
-    print(f"node-loss: steps 0-{reached} equal one node's; after the resume at most {max(after):.2e} apart")
+    print(
+        f"node-loss: steps 0-{reached} equal one node's; after the resume at most {max(after, default=0.0):.2e} apart"
+    )
 
 
 def test_elastic_training_shrinks_to_one_worker_and_grows_back(cluster, captured, tiny_target):

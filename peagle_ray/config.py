@@ -71,7 +71,8 @@ class TargetConfig(_Section):
     """CPU cores each CPU vLLM engine keeps free of model threads (VLLM_CPU_NUM_OF_RESERVED_CPU): its model
     runs on the node's other cores (engine.use_local_cores). None: 0, every core (vLLM's own default of one
     core per worker was for a scheduler process that busy-waits; peagle-ray runs the model inside that
-    process, engine.py); ignored on GPU."""
+    process, engine.py); ignored on GPU. VLLM_CPU_NUM_OF_RESERVED_CPU set in the environment wins (on a box
+    shared with other work, two-thread engines side by side decoded 2.5x slower than one-thread ones)."""
 
 
 class DataConfig(_Section):

@@ -1,6 +1,7 @@
 """SIGTERM / SIGHUP stop `peagle-ray serve` like Ctrl-C: the endpoint, Ray and every process it started go,
 the ports are freed, and the exit status says it was interrupted (128 + the signal)."""
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -35,16 +36,37 @@ def port_is_free(port: int) -> bool:
             return False
 
 
-def start_and_wait(command: list[str], log_path, ready: str, timeout_s: float = 300) -> subprocess.Popen:
-    """Start a CLI command and wait until its output shows `ready`."""
+@contextlib.contextmanager
+def started(command: list[str], log_path, ready: str, timeout_s: float = 300):
+    """Start a CLI command and wait until its output shows `ready`; a test that fails before the command has
+    ended kills it and everything it started (a Ray cluster and its engines would otherwise outlive the test
+    and slow every test after it)."""
     log = log_path.open("w+")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{ready!r} did not appear in {timeout_s:.0f} s"
+            time.sleep(1)
+        yield process
+    finally:
+        if process.poll() is None:
+            leftovers = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            for p in leftovers:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(leftovers, timeout=30)
+
+
+def wait_listening(process: subprocess.Popen, port: int, timeout_s: float = 60) -> None:
+    """`port` is listened on by the process or one of its descendants within timeout_s (Serve's proxy may
+    bind it a moment after the command prints its banner)."""
     deadline = time.monotonic() + timeout_s
-    while ready not in log_path.read_text():
-        assert process.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"{ready!r} did not appear in {timeout_s:.0f} s"
+    parent = psutil.Process(process.pid)
+    while port not in listening_ports([parent, *parent.children(recursive=True)]):
+        assert time.monotonic() < deadline, f"nothing listens on port {port} {timeout_s:.0f} s after the banner"
         time.sleep(1)
-    return process
 
 
 def stop_and_check(process: subprocess.Popen, signum: int, log_path) -> None:
@@ -70,7 +92,7 @@ def cli(*args: str) -> list[str]:
 def test_sighup_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path):
     """SIGHUP (the terminal closed) here, SIGTERM to the demo below: both stop signals end to end."""
     port = free_port()
-    server = start_and_wait(
+    with started(
         cli(
             "serve",
             "--no-drafter",
@@ -87,14 +109,14 @@ def test_sighup_to_serve_leaves_no_process_and_no_port(tiny_target, tmp_path):
         ),
         tmp_path / "serve.log",
         "endpoint: http",
-    )
-    assert port in listening_ports([psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)])
-    stop_and_check(server, signal.SIGHUP, tmp_path / "serve.log")
+    ) as server:
+        wait_listening(server, port)
+        stop_and_check(server, signal.SIGHUP, tmp_path / "serve.log")
 
 
 def test_sigterm_to_the_demo_mid_run_stops_mlflow_ray_and_the_target(tiny_target, tmp_path):
     mlflow_port = free_port()
-    demo = start_and_wait(
+    with started(
         cli(
             "demo",
             "--no-wait",
@@ -117,7 +139,7 @@ def test_sigterm_to_the_demo_mid_run_stops_mlflow_ray_and_the_target(tiny_target
         ),
         tmp_path / "demo.log",
         "prepare: ",  # regeneration's bar: it starts once the target is up (Serve's INFO lines stay off the console)
-    )
-    assert not port_is_free(mlflow_port)  # the local MLflow server is up
-    stop_and_check(demo, signal.SIGTERM, tmp_path / "demo.log")
+    ) as demo:
+        assert not port_is_free(mlflow_port)  # the local MLflow server is up
+        stop_and_check(demo, signal.SIGTERM, tmp_path / "demo.log")
     assert "[demo] stopping" in (tmp_path / "demo.log").read_text()

@@ -151,9 +151,10 @@ def test_a_killed_engine_costs_503s_then_the_endpoint_serves_again(deploy, expec
     How long the replacement takes is the machine's, not a pass mark (it is printed, with what Serve said of the
     deployment meanwhile): 32-91 s from the kill on this 2-core box alone or beside one other test file, over
     100 s beside the other xdist worker's engines (a clean-clone run on 2026-12-07: the new replica began
-    initialising 41 s after Serve added it), and once (CI, 2026-12-07) no 200 within 240 s. Between the dead replica's stop and the new one's start,
-    Serve's proxy holds requests until a replica can take them; RECOVERY_S bounds both that wait and the
-    recovery, so that a replacement that never comes, or a request that never returns, still fails the test."""
+    initialising 41 s after Serve added it), and once (CI, 2026-12-07) no 200 within 240 s. Between the dead
+    replica's stop and the new one's start, Serve's proxy holds requests until a replica can take them;
+    RECOVERY_S bounds both that wait and the recovery, so that a replacement that never comes, or a request
+    that never returns, still fails the test."""
     url, model = deploy("suffix"), tiny_target.name  # redeploying the same decoder keeps the running replica
     [engine] = engine_processes()
     answers: list[tuple[float, int, dict, dict, float]] = []  # (sent, status, body, headers, seconds)

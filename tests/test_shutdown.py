@@ -36,6 +36,12 @@ def port_is_free(port: int) -> bool:
             return False
 
 
+def process_tree(process: subprocess.Popen) -> list[psutil.Process]:
+    """The command's process and every descendant it has now."""
+    parent = psutil.Process(process.pid)
+    return [parent, *parent.children(recursive=True)]
+
+
 @contextlib.contextmanager
 def started(command: list[str], log_path, ready: str, timeout_s: float = 300):
     """Start a CLI command and wait until its output shows `ready`; a test that fails before the command has
@@ -52,7 +58,7 @@ def started(command: list[str], log_path, ready: str, timeout_s: float = 300):
         yield process
     finally:
         if process.poll() is None:
-            leftovers = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            leftovers = process_tree(process)
             for p in leftovers:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
@@ -63,17 +69,15 @@ def wait_listening(process: subprocess.Popen, port: int, timeout_s: float = 60) 
     """`port` is listened on by the process or one of its descendants within timeout_s (Serve's proxy may
     bind it a moment after the command prints its banner)."""
     deadline = time.monotonic() + timeout_s
-    parent = psutil.Process(process.pid)
-    while port not in listening_ports([parent, *parent.children(recursive=True)]):
+    while port not in listening_ports(process_tree(process)):
         assert time.monotonic() < deadline, f"nothing listens on port {port} {timeout_s:.0f} s after the banner"
         time.sleep(1)
 
 
 def stop_and_check(process: subprocess.Popen, signum: int, log_path) -> None:
     """Send `signum`; every descendant must end, every port they listened on be free, the exit say why."""
-    parent = psutil.Process(process.pid)
-    children = parent.children(recursive=True)
-    ports = listening_ports([parent, *children])
+    tree = process_tree(process)
+    children, ports = tree[1:], listening_ports(tree)
     assert len(children) >= 3 and ports  # Ray's GCS, raylet, agents, the Serve replica, MLflow ...
     process.send_signal(signum)
     assert process.wait(timeout=120) == 128 + signum, log_path.read_text()[-3000:]

@@ -338,6 +338,7 @@ BENCHES = {  # the registry of benchmarks: `peagle-ray bench KIND` -> Bench(modu
         ("draft-latency", "draft_latency", "run"),
         ("train-memory", "train_memory", "run"),
         ("step-table", "step_table", "run"),
+        ("host-syncs", "host_syncs", "run"),
         ("mask", "mask", "run"),
         ("capture", "capture", "run"),
         ("train", "train", "run"),

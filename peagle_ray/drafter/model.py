@@ -161,12 +161,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, nkv * hd, bias=False)
         self.v_proj = nn.Linear(in_dim, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, arch.hidden_size, bias=False)
-        # a plain attribute, not a buffer: float32 whatever dtype the module is cast to (rotate moves it)
+        # a plain attribute, not a buffer: float32 whatever dtype the module is cast to (moved to the device
+        # of the first input it rotates, once: not one host-to-device copy per call)
         self.inv_freq, self.rope_scale = rope_frequencies(arch)
 
     def forward(self, x, positions, mask, past_kv, query_start: int):
         """x (R, in) rows -> output for rows[query_start:], and (k, v) of all R rows (for later reuse)."""
         a = self.arch
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
         k = rotate(self.k_proj(x).view(-1, a.num_kv_heads, a.head_dim), positions, self.inv_freq, self.rope_scale)
         v = self.v_proj(x).view(-1, a.num_kv_heads, a.head_dim)
         xq = x[query_start:]
@@ -288,16 +291,20 @@ class Drafter(nn.Module):
         return ids, self.mask_hidden.view(1, -1).expand(count, -1)
 
     # ---- training ---------------------------------------------------------------------------------
-    def forward_elements(self, tokens, aux_hidden, elements: Elements, mask_fn, num_context: int = 0):
+    def forward_elements(self, tokens, aux_hidden, elements: Elements, mask_fn, num_context: int = 0,
+                         depth_bounds: list[int] | None = None):  # fmt: skip
         """Pre-norm outputs (E - num_context, H) of depth-major `elements`; the first `num_context` are
         context (no output needed: the P-EAGLE last layer skips their queries).
 
         tokens (N,) and aux_hidden (N, A) are the sequence's per-position inputs. `mask_fn(rows, cols)`
         returns the attention mask between element index ranges (dense bool or flex BlockMask).
+        `depth_bounds` (EAGLE-3 only): where each depth starts in `elements`, and their end (depth_bounds);
+        the training step passes them from the host, else they are read from the device.
         """
         if self.arch.algorithm == "peagle":
             return self._forward_parallel(tokens, aux_hidden, elements, mask_fn, num_context)
-        return self._forward_ttt(tokens, aux_hidden, elements, mask_fn)[num_context:]
+        bounds = depth_bounds if depth_bounds is not None else depth_bounds_of(elements.depth)
+        return self._forward_ttt(tokens, aux_hidden, elements, mask_fn, bounds)[num_context:]
 
     def _forward_parallel(self, tokens, aux_hidden, elements, mask_fn, num_context):
         e = len(elements)
@@ -314,15 +321,13 @@ class Drafter(nn.Module):
         out, _ = self._layers(self.project(aux), self.embed_tokens(ids), elements.position, mask, None, num_context)
         return out
 
-    def _forward_ttt(self, tokens, aux_hidden, elements, mask_fn):
-        """EAGLE-3 training-time test: depth d runs after depth d-1, reusing its keys and values; the
-        hidden input of (a, d) is the pre-norm output of (a, d-1)."""
-        depths = torch.arange(int(elements.depth.max()) + 2, device=elements.depth.device)
-        bounds = torch.searchsorted(elements.depth, depths).tolist()
+    def _forward_ttt(self, tokens, aux_hidden, elements, mask_fn, bounds):
+        """EAGLE-3 training-time test: depth d (elements bounds[d]:bounds[d + 1]) runs after depth d-1, reusing
+        its keys and values; the hidden input of (a, d) is the pre-norm output of (a, d-1)."""
         outputs, past_kv, slot_of_anchor = [], None, None
         for d in range(len(bounds) - 1):
             rows = slice(bounds[d], bounds[d + 1])
-            step = elements.select(slice(rows.start, rows.stop))
+            step = elements.select(rows)
             ids = tokens[step.position]  # ground-truth next tokens (teacher forcing)
             if d == 0:
                 hidden = self.project(aux_hidden[step.anchor])
@@ -335,7 +340,8 @@ class Drafter(nn.Module):
                 if past_kv is None
                 else [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(past_kv, kv, strict=True)]
             )
-            slot_of_anchor = torch.full((int(step.anchor.max()) + 1,), -1, dtype=torch.long, device=step.anchor.device)
+            # anchors are positions (< N): a slot per position, no read of the largest anchor
+            slot_of_anchor = torch.full((tokens.shape[0],), -1, dtype=torch.long, device=step.anchor.device)
             slot_of_anchor[step.anchor] = torch.arange(len(step), device=step.anchor.device)
             outputs.append(out)
         return torch.cat(outputs)
@@ -413,6 +419,11 @@ class DraftCache:
         else:
             self.kv = [(torch.cat([p[0], k]), torch.cat([p[1], v])) for p, (k, v) in zip(self.kv, kv, strict=True)]
         self.length += count
+
+
+def depth_bounds_of(depth: torch.Tensor) -> list[int]:
+    """Where each depth starts in depth-major elements, then their end: depths [0, 0, 0, 1, 1, 2] -> [0, 3, 5, 6]."""
+    return torch.searchsorted(depth, torch.arange(int(depth.max()) + 2, device=depth.device)).tolist()
 
 
 def _every_layer(mask):

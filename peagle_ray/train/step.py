@@ -4,6 +4,11 @@ One sequence: COD sampling -> element weights -> partition into segments -> per 
 drafter forward, chunked KL loss, backward (gradients accumulate inside the sequence). Several sequences per
 optimizer step accumulate on top. Element weights are fixed for the whole sequence before partitioning, so
 the sum of segment losses and gradients is exactly the unpartitioned step's.
+
+On a GPU the host never waits inside the step: every index the segments need is worked out on the CPU first
+(plan_segments), the sequence's inputs and that bookkeeping go to the device in one pinned copy, and the
+step's metrics are summed on the device and read once, with the gradient norm (`peagle-ray bench host-syncs`
+counts both without a GPU).
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import torch
 
 from peagle_ray.config import DrafterConfig, Loss, TrainingConfig
 from peagle_ray.drafter.elements import Elements, attention_mask, flex_mask_mod
-from peagle_ray.drafter.model import Drafter
+from peagle_ray.drafter.model import Drafter, depth_bounds_of
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.train.elements import TrainSequence, cod_sample
-from peagle_ray.train.loss import LOSS_CHUNK, kl_loss
-from peagle_ray.train.partition import balanced_boundaries, partition
+from peagle_ray.train.loss import LOSS_CHUNK, LossPlan, kl_loss, loss_plan
+from peagle_ray.train.partition import Segment, balanced_boundaries, partition
+from peagle_ray.train.transfer import to_device
 
 T = TypeVar("T")
 
@@ -104,11 +110,10 @@ class SegmentLoss(torch.nn.Module):
         self.loss = loss
 
     def forward(self, teacher: Teacher, tokens, hidden, elements: Elements, mask_fn, context: int, rows, teacher_hidden,
-                positions, weights, loss_chunk: int):  # fmt: skip
-        out = self.drafter.forward_elements(tokens, hidden, elements, mask_fn, context)
+                plan: LossPlan, weights, depth_bounds: list[int] | None = None):  # fmt: skip
+        out = self.drafter.forward_elements(tokens, hidden, elements, mask_fn, context, depth_bounds)
         norm, head = self.drafter.norm, self.drafter.lm_head.weight
-        return kl_loss(norm(out[rows]), head, teacher_hidden, positions, teacher, weights.to(out.dtype), loss_chunk,
-                       self.loss)  # fmt: skip
+        return kl_loss(norm(out[rows]), head, teacher_hidden, plan, teacher, weights.to(out.dtype), loss=self.loss)
 
 
 def gradient_sync(loss_module: torch.nn.Module, on: bool):
@@ -118,7 +123,90 @@ def gradient_sync(loss_module: torch.nn.Module, on: bool):
     return contextlib.nullcontext() if on or no_sync is None else no_sync()
 
 
-def sequence_backward(
+@dataclass(frozen=True)
+class SegmentWork:
+    """One segment's share of a sequence's step, worked out on the host before any device work, so that the
+    device loop reads no value back: its elements (context first), how many are context, which of its own
+    outputs reach the loss (`rows`: the trained elements), their depths and loss weights, the loss's plan of
+    target rows, and where each depth starts among the elements (EAGLE-3's depth-by-depth forward)."""
+
+    elements: Elements
+    context: int
+    depth_bounds: list[int]
+    rows: torch.Tensor  # (R,) long: indices into the segment's own outputs
+    depth: torch.Tensor  # (R,) long
+    weights: torch.Tensor  # (R,) float32
+    plan: LossPlan
+
+
+def plan_segments(
+    elements: Elements,
+    segments: list[Segment],
+    trained: torch.Tensor,
+    weights: torch.Tensor,
+    k: int,
+    num_positions: int,
+    loss_chunk: int,
+) -> list[SegmentWork]:
+    """The segments holding trained elements, as SegmentWork (host-side bookkeeping, no device)."""
+    key = lambda e: e.anchor * k + e.depth  # noqa: E731  unique id of an element
+    index_of = torch.full((num_positions * k,), -1, dtype=torch.long)
+    index_of[key(elements)] = torch.arange(len(elements))
+    work = []
+    for segment in segments:
+        own_index = index_of[key(segment.own)]
+        rows = torch.nonzero(trained[own_index]).squeeze(1)
+        if len(rows):
+            own = segment.own.select(rows)
+            plan = loss_plan(own.position, loss_chunk)
+            elements = segment.elements
+            work.append(
+                SegmentWork(
+                    elements,
+                    len(segment.context),
+                    depth_bounds_of(elements.depth),
+                    rows,
+                    own.depth,
+                    weights[own_index[rows]],
+                    plan,
+                )
+            )
+    return work
+
+
+@dataclass
+class PendingStats:
+    """A sequence's StepStats whose device-side sums (loss, per-depth KL and correct counts) are not read yet:
+    the training step reads those of all its sequences, with the gradient norm, in one copy."""
+
+    stats: StepStats  # what the host knows: counts of elements, segments, positions, per-depth trained elements
+    sums: torch.Tensor  # (1 + 2K,) float64 on the device: loss, KL sum per depth, correct per depth
+
+    @staticmethod
+    def total(pending: list[PendingStats], grad_norm: torch.Tensor | None = None) -> StepStats:
+        """The StepStats of `pending` added up, their sums read once (with `grad_norm`, where given)."""
+        stats = StepStats()
+        for p in pending:
+            stats.add(p.stats)
+        values = torch.stack([p.sums for p in pending]).sum(0)
+        if grad_norm is not None:
+            values = torch.cat([values, grad_norm.detach().to(values).view(1)])
+        read = values.tolist()  # the one device-to-host read
+        k = len(stats.depth_count)
+        stats.loss = read[0]
+        stats.depth_kl = read[1 : 1 + k]
+        stats.depth_correct = [round(c) for c in read[1 + k : 1 + 2 * k]]
+        if grad_norm is not None:
+            stats.grad_norm = read[-1]
+        return stats
+
+
+def sequence_backward(*args, **kwargs) -> StepStats:
+    """sequence_pass (same arguments), its stats read from the device."""
+    return PendingStats.total([sequence_pass(*args, **kwargs)])
+
+
+def sequence_pass(
     drafter: Drafter,
     teacher: Teacher,
     seq: TrainSequence,
@@ -134,9 +222,13 @@ def sequence_backward(
     loss_module: torch.nn.Module | None = None,
     sync: bool = True,
     loss_kind: Loss = "kl",
-) -> StepStats:
+) -> PendingStats:
     """Forward + backward of one sequence, segment by segment; gradients accumulate in the parameters.
-    With backward=False it only measures (validation): no graph is built.
+    With backward=False it only measures (validation): no graph is built. Its stats stay on the device
+    (PendingStats): sequence_backward reads them, train_step reads those of all its sequences at once.
+
+    The bookkeeping of every segment is made on the host first (plan_segments) and moved to the device with
+    the sequence's inputs in one copy (transfer.to_device): the segment loop reads no value back.
 
     `loss_module` runs each segment (default: SegmentLoss(drafter, loss_kind)); the job passes it wrapped in DDP, and
     then only the sequence's last backward averages the gradients across workers, and only when `sync` (the
@@ -154,62 +246,45 @@ def sequence_backward(
     if boundaries is None:
         boundaries = balanced_boundaries(elements, seq.num_positions, segment_length)
     segments = partition(elements, seq.doc_ids, boundaries)
-    device = drafter.embed_tokens.weight.device  # bookkeeping stays on the CPU; the math runs on `device`
-    use_flex = device.type == "cuda" if use_flex is None else use_flex
-    tokens, hidden, teacher_hidden = (t.to(device) for t in (seq.tokens, seq.hidden, seq.teacher_hidden))
-    key = lambda e: e.anchor * k + e.depth  # noqa: E731  unique id of an element
-    index_of = torch.full((seq.num_positions * k,), -1, dtype=torch.long)
-    index_of[key(elements)] = torch.arange(len(elements))
+    work = plan_segments(elements, segments, trained, weights, k, seq.num_positions, loss_chunk)
     stats = StepStats(
         depth_kl=[0.0] * k,
         depth_correct=[0] * k,
-        depth_count=[0] * k,
+        depth_count=torch.bincount(torch.cat([w.depth for w in work]), minlength=k).tolist() if work else [0] * k,
         segments=len(segments),
         elements=len(elements),
         positions=seq.num_positions,
     )
     loss_module = SegmentLoss(drafter, loss_kind) if loss_module is None else loss_module
-    work = [(s, i, trained[i]) for s in segments for i in [index_of[key(s.own)]] if trained[i].any()]
     joins_only = backward and sync and not work and hasattr(loss_module, "no_sync")
-    if joins_only:
-        first = index_of[key(segments[0].own)]
-        work, weights = [(segments[0], first, torch.ones_like(trained[first]))], torch.zeros_like(weights)
-    for n, (segment, own_index, rows) in enumerate(work):  # only trained elements reach the loss
-        on_device = segment.elements.to(device)
-        mask_fn = mask_function(on_device, seq.doc_ids.to(device), use_flex)
-        own = segment.own.select(rows)
+    if joins_only:  # every own element of the first segment, weighted zero
+        first, own = segments[0], segments[0].own
+        rows = torch.arange(len(own))
+        zero = torch.zeros(len(own))
+        plan = loss_plan(own.position, loss_chunk)
+        work = [SegmentWork(first.elements, len(first.context), depth_bounds_of(first.elements.depth), rows, own.depth,
+                            zero, plan)]  # fmt: skip
+    device = drafter.embed_tokens.weight.device
+    use_flex = device.type == "cuda" if use_flex is None else use_flex
+    inputs = (seq.tokens, seq.hidden, seq.teacher_hidden, seq.doc_ids, work)
+    tokens, hidden, teacher_hidden, doc_ids, work = to_device(inputs, device)
+    sums = torch.zeros(1 + 2 * k, dtype=torch.float64, device=device)
+    for n, segment in enumerate(work):  # only trained elements reach the loss
+        mask_fn = mask_function(segment.elements, doc_ids, use_flex)
         synced = gradient_sync(loss_module, sync and n == len(work) - 1)  # DDP decides at the forward
         with synced, torch.set_grad_enabled(backward):
-            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext():
                 loss, kl, correct = loss_module(
-                    teacher,
-                    tokens,
-                    hidden,
-                    on_device,
-                    mask_fn,
-                    len(segment.context),
-                    rows.to(device),
-                    teacher_hidden,
-                    own.position.to(device),
-                    weights[own_index[rows]].to(device),
-                    loss_chunk,
-                )
+                    teacher, tokens, hidden, segment.elements, mask_fn, segment.context, segment.rows,
+                    teacher_hidden, segment.plan, segment.weights, segment.depth_bounds,
+                )  # fmt: skip
             if backward:
                 loss.backward()
         if not joins_only:
-            stats.loss += float(loss.detach())
-            _accumulate(stats, own.depth, kl.cpu(), correct.cpu(), k)
-    return stats
-
-
-def _accumulate(stats: StepStats, depth: torch.Tensor, kl: torch.Tensor, correct: torch.Tensor, k: int) -> None:
-    """Add per-depth KL sums, correct counts and element counts of trained elements to `stats`."""
-    kl_sum = torch.bincount(depth, kl.double(), k).tolist()
-    correct_sum = torch.bincount(depth, correct.long(), k).tolist()
-    count = torch.bincount(depth, minlength=k).tolist()
-    stats.depth_kl = [a + b for a, b in zip(stats.depth_kl, kl_sum, strict=True)]
-    stats.depth_correct = [a + int(b) for a, b in zip(stats.depth_correct, correct_sum, strict=True)]
-    stats.depth_count = [a + b for a, b in zip(stats.depth_count, count, strict=True)]
+            sums[0] += loss.detach()
+            sums[1 : 1 + k].index_add_(0, segment.depth, kl.double())
+            sums[1 + k :].index_add_(0, segment.depth, correct.double())
+    return PendingStats(stats, sums)
 
 
 def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: torch.Generator) -> Elements:
@@ -297,28 +372,39 @@ def train_step(
     generator: torch.Generator,
     loss_module: torch.nn.Module | None = None,
 ) -> StepStats:
-    """One optimizer step over `sequences` (gradients accumulated across them), with clipping.
+    """One optimizer step over `sequences` (gradients accumulated across them), with clipping. The step's
+    stats and gradient norm are read from the device once, after the optimizer step.
 
     Distributed training passes `loss_module`, SegmentLoss(drafter) wrapped in DDP: the step's last backward
     averages the gradients across workers, before clipping.
     """
     optimizer.zero_grad(set_to_none=True)
-    stats = StepStats()
+    pending = []
     for n, seq in enumerate(sequences):
         if cfg.feature_noise:
             seq = with_feature_noise(seq, cfg.feature_noise, generator)
         last = n == len(sequences) - 1
         scale = 1.0 / len(sequences)
-        stats.add(
-            sampled_sequence_backward(
-                drafter, teacher, seq, drafter_cfg, cfg, generator, scale, True, loss_module, last
-            )
+        pending.append(
+            sequence_pass(
+                drafter,
+                teacher,
+                seq,
+                sample_elements(seq, drafter_cfg, generator),
+                cfg.segment_length,
+                cfg.depth_weights,
+                scale,
+                bf16=cfg.precision == "bfloat16",
+                loss_module=loss_module,
+                sync=last,
+                loss_kind=cfg.loss,
+            )  # fmt: skip
         )
     params = [p for p in drafter.parameters() if p.requires_grad]
-    stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     optimizer.step()
     scheduler.step()
-    return stats
+    return PendingStats.total(pending, grad_norm)  # the step's one read from the device
 
 
 Step = Callable[[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR, list[TrainSequence]], StepStats]

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The wheels scripts/gpu_check.sh needs on a GPU machine that has only torch and transformers, written to
-# gpu_wheels/ (git-ignored): pass it to the device tool's `carry`. pydantic's compiled core is fetched for
-# CPython 3.10-3.13 (the machine's Python is not known beforehand); the versions are this venv's.
+# The wheels scripts/gpu_check.sh needs on a lent GPU machine, written to gpu_wheels/ (git-ignored): pass it
+# to the device tool's `carry`. The machine's image already holds torch, transformers, pytest, pyarrow, pandas,
+# httpx, aiohttp, xxhash, ... (the device tool's KINDS.md lists them); what is fetched here is the rest of what
+# our code and the reference trainer (speculators 0.9: its import chain pulls in datasets, openai, pydantic)
+# import: ~7 MB. The compiled ones (pydantic_core, jiter) and multiprocess are fetched for CPython 3.10-3.13
+# (the image's Python is 3.12 today; a later one may differ); the versions are this venv's.
 #   bash scripts/gpu_wheels.sh
-# Left out: the reference trainer (speculators 0.9). Importing it imports `datasets`, which needs pyarrow
-# (55 MB for one Python version) and pandas (12 MB): 72 MB with the rest, over the device tool's 64 MiB
-# carry. gpu_check.sh runs its rows where speculators is already installed, and says so where not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -16,9 +16,12 @@ pinned() { for p in "$@"; do echo "$p==$("$PY" -c "from importlib.metadata impor
 download() { "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary :all: -d "$out" "$@" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true; }
 download $(pinned pydantic annotated-types typing-inspection typing_extensions pytest pluggy iniconfig pygments)
-core=$(pinned pydantic_core)
+# the reference trainer: speculators and what of its import chain the image lacks
+download $(pinned speculators hs-connectors pydantic-settings python-dotenv loguru datasets dill openai sniffio \
+  httpx2 httpcore2 truststore)
+compiled=$(pinned pydantic_core jiter multiprocess)
 for v in 3.10 3.11 3.12 3.13; do
-  download --python-version "$v" --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 "$core"
+  download --python-version "$v" --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 $compiled
 done
 ls "$out"
 du -sh "$out"

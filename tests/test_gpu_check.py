@@ -34,7 +34,13 @@ def test_gpu_check_rehearses_on_the_cpu(tmp_path):
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["peak_gib"] > 0, row
     assert rows[("ours", 256)]["segments"] > 1 and rows[("ours", 256)]["estimate_gib"] > 0  # partitioned
-    assert "| tiny | 256 | ours | sdpa |" in (tmp_path / "step_table.md").read_text()
+    assert all(row["spread_pct"] >= 0 and row["step_s"] > 0 for row in rows.values())
+    text = (tmp_path / "step_table.md").read_text()
+    assert "| tiny | 256 | ours | sdpa |" in text and "| GPU busy |" in text
+    assert "tiny N=256: ours (sdpa) / reference: " in text  # the ratios the goals are judged by
+    syncs = {r["algorithm"]: r for r in json.loads((tmp_path / "host_syncs.json").read_text())["rows"]}
+    assert syncs["peagle"]["reads_per_step"] == 1 and syncs["peagle"]["copies_in_per_step"] == 2, syncs
+    assert "'reads_per_step': 1" in out.stdout  # printed where the GPU run's output shows it
 
 
 def test_the_step_profiler_rehearses_on_the_cpu(tmp_path):

@@ -4,9 +4,11 @@ vocabulary of 32k, K = 8, bfloat16 autocast), ours with compiled flex attention 
 reference trainer's (speculators 0.9) where it is installed, at N = 2048, 8192 and 32768.
 
 Every (shape, trainer, attention) runs in a process of its own over all N, so a compile or an out-of-memory
-at one N costs a row, not the table. Each row: tokens/s (N over the median of 3 steps' seconds, after 2
-untimed ones that compile and warm up), peak memory (torch.cuda.max_memory_allocated on CUDA; the process's peak RSS on CPU,
-where the `tiny` shape rehearses the script), and our dry run's estimate (train/plan.py) beside ours.
+at one N costs a row, not the table. Each row: tokens/s (N over the median of 5 steps' seconds, after 2
+untimed ones that compile and warm up) and the spread of those 5 (slowest over fastest), peak memory
+(torch.cuda.max_memory_allocated on CUDA; the process's peak RSS on CPU, where the `tiny` shape rehearses the
+script), on CUDA the share of one more step, run under torch.profiler, that the GPU's kernels were busy, and
+our dry run's estimate (train/plan.py) beside ours.
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def _peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-WARMUP_STEPS, TIMED_STEPS = 2, 3
+WARMUP_STEPS, TIMED_STEPS = 2, 5
 """Steps of each row: WARMUP_STEPS untimed (compiled flex attention compiles for the first shape, then once
 more for dynamic shapes, as COD samples a new element count each step), then the median of TIMED_STEPS."""
 
 
-def _median_step(step, device: torch.device) -> tuple[float, Any]:
-    """(median seconds of TIMED_STEPS calls of `step` after WARMUP_STEPS untimed ones, the last call's result)."""
+def _timed(step, device: torch.device) -> dict[str, Any]:
+    """`step` run WARMUP_STEPS times untimed, then TIMED_STEPS times: the median seconds, the spread (slowest
+    over fastest, minus 1) and the last call's result; on CUDA, one more call under torch.profiler gives the
+    share of its wall time the GPU's kernels were busy."""
     seconds, result = [], None
     for i in range(WARMUP_STEPS + TIMED_STEPS):
         start = time.perf_counter()
@@ -73,7 +77,39 @@ def _median_step(step, device: torch.device) -> tuple[float, Any]:
             torch.cuda.synchronize()
         if i >= WARMUP_STEPS:
             seconds.append(time.perf_counter() - start)
-    return sorted(seconds)[len(seconds) // 2], result
+    seconds.sort()
+    out = {"seconds": seconds[len(seconds) // 2], "spread": seconds[-1] / seconds[0] - 1, "result": result}
+    if device.type == "cuda":
+        out["gpu_busy"] = _gpu_busy_share(step)
+    return out
+
+
+def _gpu_busy_share(step) -> float:
+    """The kernels' own device time over the wall time of one profiled call of `step` (as the profiler table's
+    "Self CUDA time total" counts it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in kernels) / 1e6 / wall
+
+
+def _measured(n: int, timed: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A row's measurements from _timed."""
+    row = {
+        "tokens_per_s": round(n / timed["seconds"], 1),
+        "step_s": round(timed["seconds"], 4),
+        "spread_pct": round(100 * timed["spread"], 1),
+        "peak_gib": round(_peak_bytes(device) / 2**30, 2),
+    }
+    if "gpu_busy" in timed:
+        row["gpu_busy_pct"] = round(100 * timed["gpu_busy"], 1)
+    return row
 
 
 def _random_sequence(arch: DrafterArch, n: int):
@@ -129,12 +165,9 @@ def ours(shape: str, seq_lens: list[int], depths: int, draft_vocab_size: int, la
                 optimizer.step()
                 return stats
 
-            seconds, stats = _median_step(step, device)
+            timed = _timed(step, device)
             row.update(
-                tokens_per_s=round(n / seconds, 1),
-                peak_gib=round(_peak_bytes(device) / 2**30, 2),
-                elements=stats.elements,
-                segments=stats.segments,
+                _measured(n, timed, device), elements=timed["result"].elements, segments=timed["result"].segments
             )
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
@@ -186,8 +219,7 @@ def reference(shape: str, seq_lens: list[int], depths: int, draft_vocab_size: in
                 loss.backward()
                 optimizer.step()
 
-            seconds, _ = _median_step(step, device)
-            row.update(tokens_per_s=round(n / seconds, 1), peak_gib=round(_peak_bytes(device) / 2**30, 2))
+            row.update(_measured(n, _timed(step, device), device))
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
         finally:
@@ -259,16 +291,39 @@ def _device_name() -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| shape | N | trainer | attention | tokens/s | peak GiB | dry-run estimate GiB |",
-        "|---|---:|---|---|---:|---:|---:|",
+        "| shape | N | trainer | attention | tokens/s | step s (spread) | peak GiB | GPU busy | dry-run estimate GiB |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        measured = f"{r['tokens_per_s']:,.0f} | {r['peak_gib']}" if "tokens_per_s" in r else f"{r['error']} | -"
+        if "tokens_per_s" in r:
+            busy = f"{r['gpu_busy_pct']}%" if "gpu_busy_pct" in r else "-"
+            measured = f"{r['tokens_per_s']:,.0f} | {r['step_s']} ({r['spread_pct']}%) | {r['peak_gib']} | {busy}"
+        else:
+            measured = f"{r['error']} | - | - | -"
         lines.append(
             f"| {r['shape']} | {r['seq_len']} | {r['trainer']} | {r['attention']} | {measured} | "
             f"{r.get('estimate_gib', '-')} |"
         )
+    lines += [""] + ratios(rows)
     return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """Ours (flex where measured, else SDPA) against the reference at each shape and N: the tokens/s ratio and
+    the peak-memory ratio (issue 48's goals: >= 1.5x and <= 0.5x)."""
+    measured = {(r["shape"], r["seq_len"], r["trainer"], r["attention"]): r for r in rows if "tokens_per_s" in r}
+    lines = []
+    for (shape, n, trainer, _), reference in measured.items():
+        if trainer != "reference":
+            continue
+        ours = measured.get((shape, n, "ours", "flex")) or measured.get((shape, n, "ours", "sdpa"))
+        if ours:
+            lines.append(
+                f"{shape} N={n}: ours ({ours['attention']}) / reference: "
+                f"{ours['tokens_per_s'] / reference['tokens_per_s']:.2f}x tokens/s, "
+                f"{ours['peak_gib'] / reference['peak_gib']:.2f}x peak memory"
+            )
+    return lines
 
 
 if __name__ == "__main__":  # one (shape, trainer, attention) process of run(); `peagle-ray bench step-table` runs it

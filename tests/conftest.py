@@ -218,7 +218,8 @@ def demo_loop(family_target, tmp_path_factory, request):
     (tests/helpers/demo_loop.py): what it did, for tests of each part."""
     from transformers import AutoTokenizer
 
-    from tests.helpers.demo_loop import TOKENS, WORKLOAD, run_loop
+    from tests.helpers.demo_loop import run_loop
+    from tests.helpers.demo_workload import TOKENS, WORKLOAD
     from tests.test_serve import hf_greedy
 
     target = family_target("llama3")

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from peagle_ray.adapt import (
     Judged,
@@ -24,7 +23,8 @@ from peagle_ray.adapt import (
 )
 from peagle_ray.config import ConfigError, build_config
 from peagle_ray.eval.metrics import pick_decoder
-from tests.helpers.demo_loop import DEMO_REQUESTS, REPEATS, WORKLOAD, K
+from tests.helpers.demo_workload import DEMO_REQUESTS, REPEATS, WORKLOAD, K
+from tests.helpers.mlflow_store import mlflow_client
 
 # the session's demo_loop fixture: its setup counts against the first test using it (test_demo.py's, in the
 # same xdist group), over the 900 s default on a slow day
@@ -201,7 +201,7 @@ def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measure
     assert report.decoder == (picked.decoder if picked.draft else "drafter")
     sources = report.decoders["hybrid"]["by_source"]
     assert sum(s["drafts"] for s in sources.values()) > 0 and sources["suffix"]["accepted_tokens"] > 0
-    tags = MlflowClient(demo_loop.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
+    tags = mlflow_client(demo_loop.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
     assert tags["served.decoder"] == report.decoder and tags["served.version"] == "peagle-drafter/2"
     assert tags["served.why"] == report.recommendation and tags["served.k"] == str(K)
 
@@ -229,7 +229,7 @@ def test_a_drafter_that_cannot_load_leaves_the_served_one_serving(demo_loop):
 
 
 def test_the_registry_moves_the_alias_and_tags_the_measurements(demo_loop):
-    client = MlflowClient(demo_loop.cfg.tracking.tracking_uri)
+    client = mlflow_client(demo_loop.cfg.tracking.tracking_uri)
     version = client.get_model_version_by_alias("peagle-drafter", "serving")
     assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"
     new = demo_loop.report.measured["new"].heldout["acceptance_length"]
@@ -266,7 +266,7 @@ def test_serve_without_a_drafter_serves_the_alias_and_its_recorded_verdict(demo_
     assert verdict is not None and verdict.reason == f"registry: {report.recommendation}"
     served = serving_decoder(with_values(cfg, {"serving.drafter_version": chosen.label}), chosen.drafter)
     assert served.decoder == report.decoder and served.k == K
-    version = MlflowClient(cfg.tracking.tracking_uri).get_model_version("peagle-drafter", "2")
+    version = mlflow_client(cfg.tracking.tracking_uri).get_model_version("peagle-drafter", "2")
     assert version.tags["export_dir"] == report.export_dir  # where `serve` finds it on this machine
     # no registry (no tracking URI, no local store): the training run's export, saying so
     alone = with_values(cfg, {"tracking.tracking_uri": None, "training.storage_path": str(tmp_path)})

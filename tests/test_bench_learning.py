@@ -2,12 +2,11 @@
 features, peers (ours and the reference trainer, then stock vLLM) and the learning curve, each run with the
 job's own step and validation."""
 
-from mlflow.tracking import MlflowClient
-
 from peagle_ray.bench import features, learning, peers
 from peagle_ray.config import with_values
 from peagle_ray.export.speculators import export_drafter
 from peagle_ray.train.job import check_inputs
+from tests.helpers.mlflow_store import mlflow_client
 from tests.helpers.train_data import K, config
 
 
@@ -81,7 +80,7 @@ def test_the_learning_curve_measures_each_budget_in_vllm_and_logs_a_finished_run
     assert (workdir / "curve" / "learning_curve.png").stat().st_size > 0
 
     runs = learning.log_to_mlflow(cfg, curve, workdir / "curve")
-    client = MlflowClient(cfg.tracking.tracking_uri)
+    client = mlflow_client(cfg.tracking.tracking_uri)
     run = client.get_run(runs["peagle"])
     assert run.info.status == "FINISHED" and run.data.tags["peagle.run_name"] == "curve-peagle"
     steps = [m.step for m in client.get_metric_history(runs["peagle"], "curve/suite_acceptance_length")]

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
-from tests.helpers.demo_loop import DEMO_REQUESTS, REPEATS, WORKLOAD, K
+from tests.helpers.demo_workload import DEMO_REQUESTS, REPEATS, WORKLOAD, K
+from tests.helpers.mlflow_store import mlflow_client
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # the demo's run is the first test's setup
 
@@ -57,7 +57,7 @@ def test_the_endpoint_serves_the_decoder_its_heldout_measurement_chose(demo_loop
         assert served["drafts"] == 0
     assert json.loads(outcome.json.read_text())["served"] == served_description(served)
     assert "decoder:  " in demo_loop.console and served["why"] in demo_loop.console
-    tags = MlflowClient(f"sqlite:///{Path(demo_loop.cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
+    tags = mlflow_client(f"sqlite:///{Path(demo_loop.cfg.training.storage_path) / 'mlflow' / 'mlflow.db'}")
     model = tags.get_registered_model(demo_loop.cfg.tracking.registered_model).tags
     assert model["served.decoder"] == served["decoder"] and model["served.version"] == served["version"]
 
@@ -75,7 +75,7 @@ def test_recording_stays_on_for_the_live_endpoint(demo_loop):
 
 def test_mlflow_holds_both_versions_and_the_training_curve(demo_loop):
     storage, report = Path(demo_loop.cfg.training.storage_path), demo_loop.outcome.adapt
-    client = MlflowClient(f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}")
+    client = mlflow_client(f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}")
     versions = client.search_model_versions(f"name = '{demo_loop.cfg.tracking.registered_model}'")
     assert {str(v.version) for v in versions} == {report.parent_version, report.version}
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}

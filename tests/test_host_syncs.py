@@ -18,7 +18,7 @@ from peagle_ray.train.transfer import ALIGN, pack, to_device
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 def test_a_training_step_reads_the_device_once_and_copies_each_sequence_in_once(algorithm):
-    counted = count_step(algorithm, "tiny", sequences=2, seq_len=48, segment_length=20, depths=3)
+    counted = count_step(algorithm, "tiny", sequences=2, seq_len=32, segment_length=16, depths=3)
     assert counted["segments"] >= 2 * 3  # the loop runs segment after segment...
     assert counted["reads_per_step"] <= 2  # ...and the step's stats and gradient norm come back in one read
     assert counted["reads_per_step"] == 1

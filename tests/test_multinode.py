@@ -12,11 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from peagle_ray.config import build_config, dump_config
 from peagle_ray.tracking import RUN_NAME_TAG, metric_history
 from tests.helpers.cluster import BIN, LoopbackCluster
+from tests.helpers.mlflow_store import mlflow_client
 from tests.helpers.train_data import PROMPTS as TRAIN_JOB_PROMPTS, raw_config
 
 pytestmark = pytest.mark.ray
@@ -119,7 +119,7 @@ def test_a_storage_path_some_node_cannot_see_is_refused_naming_the_field(cluster
 def metric(tmp: Path, run_name: str, name: str) -> list[tuple[int, float]]:
     """(step, value) of a run's metric, read from the tracking store while the job runs ([] before)."""
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    client = MlflowClient(uri)
+    client = mlflow_client(uri)
     experiment = client.get_experiment_by_name("peagle-ray")
     runs = client.search_runs([experiment.experiment_id], f"tags.`{RUN_NAME_TAG}` = '{run_name}'") if experiment else []
     return metric_history(uri, runs[0].info.run_id, name) if runs else []

@@ -9,7 +9,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from peagle_ray.capture.pipeline import read_manifest
 from peagle_ray.config import ConfigError, TrainingConfig, build_config
@@ -19,6 +18,7 @@ from peagle_ray.train.checkpoint import export_checkpoint
 from peagle_ray.train.job import check_inputs, run_training
 from peagle_ray.train.worker import validation_subset
 from tests.helpers.browser import render_until
+from tests.helpers.mlflow_store import mlflow_client
 from tests.helpers.train_data import K, config
 
 
@@ -28,7 +28,7 @@ def workdir(captured_data):
 
 
 def history(summary, name):
-    return [m.step for m in MlflowClient(summary.tracking_uri).get_metric_history(summary.run_id, name)]
+    return [m.step for m in mlflow_client(summary.tracking_uri).get_metric_history(summary.run_id, name)]
 
 
 def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
@@ -47,7 +47,7 @@ def test_bad_input_fails_before_any_worker_starts(tmp_path, tiny_target):
 
 @pytest.mark.slow
 def test_run_status_ends_finished_failed_or_killed(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path / 'status.db'}")
+    client = mlflow_client(f"sqlite:///{tmp_path / 'status.db'}")
     experiment = client.create_experiment("status")
     for raised, status in [(None, "FINISHED"), (RuntimeError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")]:
         run_id = client.create_run(experiment).info.run_id
@@ -69,12 +69,12 @@ def test_a_crashed_benchmarks_results_run_ends_failed(tmp_path):
     cfg = build_config({"training": {"storage_path": str(tmp_path)}})
     with pytest.raises(RuntimeError, match="boom"):
         with results_run(uri, cfg, None, "bench-crash", tmp_path) as run_id:
-            assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
+            assert mlflow_client(uri).get_run(run_id).info.status == "RUNNING"
             raise RuntimeError("boom")
-    assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+    assert mlflow_client(uri).get_run(run_id).info.status == "FAILED"
     with results_run(uri, cfg, None, "bench-ok", tmp_path) as run_id:
         pass
-    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+    assert mlflow_client(uri).get_run(run_id).info.status == "FINISHED"
 
 
 def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_target):
@@ -92,7 +92,7 @@ def test_train_logs_every_metric_checkpoints_resumes_and_exports(workdir, tiny_t
     assert steps["train/loss"] == [0, 1, 2, 3]
     assert all(steps[f"train/acc_depth_{d}"] == [0, 1, 2, 3] for d in range(K))
     assert all(steps[name] == [1, 3] for name in metrics if name.startswith("val/"))
-    client = MlflowClient(first.tracking_uri)
+    client = mlflow_client(first.tracking_uri)
     artifacts = {a.path for a in client.list_artifacts(first.run_id)}
     assert {"config.yaml", "provenance.json", "acceptance.png", "drafter"} <= artifacts
     run = client.get_run(first.run_id)
@@ -150,7 +150,7 @@ def test_a_run_that_fails_ends_failed_in_mlflow(workdir, tiny_target):
     cfg = config(workdir, tiny_target, run_name="fails", max_steps=4, crash_once_at_step=1, max_failures=0)
     with pytest.raises(Exception, match="injected failure at step 1"):
         run_training(cfg)
-    client = MlflowClient(cfg.tracking.tracking_uri)
+    client = mlflow_client(cfg.tracking.tracking_uri)
     [run] = client.search_runs(
         [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
         filter_string="tags.`peagle.run_name` = 'fails'",
@@ -244,8 +244,8 @@ def test_local_mlflow_server_starts_answers_and_stops(tmp_path):
     with local_mlflow_server(tmp_path, port) as uri:
         with urllib.request.urlopen(f"{uri}/health", timeout=5) as response:
             assert response.status == 200
-        experiment = MlflowClient(uri).create_experiment("probe")
-        assert MlflowClient(uri).get_experiment(experiment).name == "probe"
+        experiment = mlflow_client(uri).create_experiment("probe")
+        assert mlflow_client(uri).get_experiment(experiment).name == "probe"
     assert (tmp_path / "mlflow.db").is_file()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{uri}/health", timeout=2)
@@ -263,7 +263,7 @@ def test_online_mode_trains_while_the_target_captures(workdir, tiny_target, tmp_
 
 @pytest.mark.slow
 def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path / 'progress.db'}")
+    client = mlflow_client(f"sqlite:///{tmp_path / 'progress.db'}")
     run_id = client.create_run(client.create_experiment("progress")).info.run_id
     client.log_metric(run_id, "val/acceptance_length", 1.1, step=49)
 
@@ -285,7 +285,7 @@ def test_driver_progress_follows_the_runs_mlflow_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_rank0_writes_its_step_count_as_it_goes_and_holds_the_rest_to_the_checkpoint(tmp_path):
-    client = MlflowClient(f"sqlite:///{tmp_path / 'log.db'}")
+    client = mlflow_client(f"sqlite:///{tmp_path / 'log.db'}")
     run_id = client.create_run(client.create_experiment("log")).info.run_id
     log = MetricLog(client.tracking_uri, run_id, progress_every_s=3600)
     for step in range(3):

@@ -33,21 +33,7 @@ from peagle_ray.config import ConfigError, PeagleConfig, build_config, with_valu
 from peagle_ray.data.suite import CATEGORIES, builtin_conversations
 from peagle_ray.demo import DemoResult, run_demo
 from peagle_ray.serve.app import free_port, swap_drafter
-
-K = 3
-WORKLOAD = [  # a narrow workload: every prompt comes back several times (a held-out request repeats one)
-    "def parse_config(path):",
-    "SELECT name FROM users WHERE",
-    "import numpy as np\n",
-    "class Stack:\n    def push(self, x):",
-    "The capital of France is",
-    "for i in range(10):",
-    "git commit -m",
-    "Dear customer, thank you for",
-]
-REPEATS = 3
-TOKENS = 16
-DEMO_REQUESTS = 4  # the demo's own workload (builtin-coding chats), recorded beside the narrow one
+from tests.helpers.demo_workload import DEMO_REQUESTS, REPEATS, TOKENS, WORKLOAD, K
 
 
 def demo_cfg(tmp: Path, target: Path) -> PeagleConfig:

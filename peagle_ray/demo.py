@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,7 +84,7 @@ class Stages:
         return "\n".join([*lines, f"| total | {sum(minutes.values()):.1f} |"])
 
 
-def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=None, on_stage=None) -> DemoResult:
+def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True) -> DemoResult:
     """`peagle-ray demo`: run the main job on the embedded default target, end to end.
 
     Starts a local Ray cluster and MLflow server, prepares the target and data.sources, trains a general
@@ -96,11 +96,41 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
     the same data and budget. Rerunning resumes. `make demo` uses configs/demo.yaml; configs/cpu-full.yaml
     is the best CPU recipe.
 
-    Without `wait` (--no-wait) it stops everything after printing the results (calling on_ready(endpoint
-    url) first, if given); with it, Ctrl-C (or SIGTERM / SIGHUP through the CLI) stops everything and raises
-    KeyboardInterrupt. `on_stage(name, cfg, url)`, if given, is called with the run's config before the "data"
-    stage (MLflow up, nothing registered yet; url None) and as the "adapt" stage starts (the endpoint up at
-    url, the workload recorded, adapt not started): a caller sends its own traffic or checks there."""
+    Without `wait` (--no-wait) it stops everything after printing the results; with it, Ctrl-C (or SIGTERM /
+    SIGHUP through the CLI) stops everything and raises KeyboardInterrupt. The same run step by step:
+    demo_steps."""
+    steps = demo_steps(cfg, scale)
+    try:
+        result = next(step.result for step in steps if step.result is not None)
+        if wait:
+            print("[demo] the endpoint is live; Ctrl-C stops it (and Ray and MLflow)", flush=True)
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                print("\n[demo] stopping: the endpoint, Ray and MLflow", flush=True)
+                raise  # after the cleanup below; the CLI exits 128 + the signal
+        return result
+    finally:
+        steps.close()  # the endpoint, Ray and MLflow stopped
+
+
+@dataclass(frozen=True)
+class DemoStep:
+    """Where demo_steps has paused: "data" (MLflow up, nothing registered yet), "adapt" (the endpoint up at
+    `url`, the workload recorded, adapt not started) or "ready" (the results printed, the endpoint live:
+    `result`); `cfg` is the run's config (its tracking URI, record directory)."""
+
+    name: str
+    cfg: PeagleConfig
+    url: str | None = None
+    result: DemoResult | None = None
+
+
+def demo_steps(cfg: PeagleConfig, scale: float = 1.0) -> Generator[DemoStep, None, None]:
+    """run_demo's run, paused before the data stage, as the adapt stage starts and once the results are
+    printed (DemoStep): a caller sends its own traffic or checks there, stage by stage. Everything it started
+    (the endpoint, Ray, MLflow) stops when it is run to its end or closed."""
     import ray
     from ray import serve
 
@@ -125,15 +155,13 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
         cfg = with_values(cfg, {"tracking.tracking_uri": uri, "serving.record_dir": record_dir, "adapt.swap": True})
         print(f"[demo] MLflow UI: {uri}")
         try:
-            if on_stage is not None:
-                on_stage("data", cfg, None)
+            yield DemoStep("data", cfg)
             general, version = _general_drafter(cfg, stages)
             evaluated = _compare_eagle3(cfg, general, stages) if cfg.demo.compare_eagle3 else None
             label = f"{cfg.tracking.registered_model}/{version}"
             url = _workload_traffic(cfg, general, label, stages)
             stages.start("adapt", f"the general drafter fine-tuned on the recorded {cfg.demo.workload} traffic")
-            if on_stage is not None:
-                on_stage("adapt", cfg, url)
+            yield DemoStep("adapt", cfg, url)
             report = run_adapt(cfg)
             served, served_label = (Path(report.served_dir), f"{cfg.tracking.registered_model}/{report.served_version}")
             if not report.swapped:  # adapt left the endpoint as it was: serving the general drafter
@@ -160,14 +188,9 @@ def run_demo(cfg: PeagleConfig, scale: float = 1.0, wait: bool = True, on_ready=
                 f"[demo] done in {sum(stages.minutes().values()):.1f} min",
                 flush=True,
             )
-            out = DemoResult(url, served, uri, report, table, stages.minutes(), result, evaluated)
-            if on_ready is not None:
-                on_ready(url)
-            if wait:
-                print("[demo] the endpoint is live; Ctrl-C stops it (and Ray and MLflow)", flush=True)
-                while True:
-                    time.sleep(3600)
-            return out
+            yield DemoStep(
+                "ready", cfg, url, DemoResult(url, served, uri, report, table, stages.minutes(), result, evaluated)
+            )
         except KeyboardInterrupt:
             print("\n[demo] stopping: the endpoint, Ray and MLflow", flush=True)
             raise  # after the cleanup below; the CLI exits 128 + the signal

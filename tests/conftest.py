@@ -45,6 +45,8 @@ HEAVY_TIERS = ("ray", "vllm", "slow", "gpu")
 # fixtures that start a vLLM engine (a Serve-hosted target or endpoint, a capture, a job that captures): a test
 # using one is in the vllm tier, so that `-m "not vllm"` starts no engine
 ENGINE_FIXTURES = {
+    "demo_recorded": "conftest: the demo's run, to its adapt stage",
+    "demo_adapted": "conftest: the demo's run, adapted",
     "demo_loop": "conftest: the demo's run with the adaptation loop's live checks",
     "session": "test_capture.py: the Serve-hosted target",
     "endpoint": "test_serve.py: the endpoint",
@@ -213,12 +215,14 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def demo_loop(family_target, tmp_path_factory, request):
-    """The demo run once on the tiny Llama-3 target with the adaptation loop's live checks inside it
-    (tests/helpers/demo_loop.py): what it did, for tests of each part."""
+def demo_recorded(family_target, tmp_path_factory, request):
+    """The demo run once on the tiny Llama-3 target (tests/helpers/demo_loop.py DemoLoop), here as far as its
+    adapt stage: the general drafter served, the workload recorded, adapt's refusals checked. demo_adapted and
+    demo_loop run it on: each stage's setup counts against the first test that needs it, not the whole run
+    against one."""
     from transformers import AutoTokenizer
 
-    from tests.helpers.demo_loop import run_loop
+    from tests.helpers.demo_loop import DemoLoop
     from tests.helpers.demo_workload import TOKENS, WORKLOAD
     from tests.test_serve import hf_greedy
 
@@ -226,7 +230,25 @@ def demo_loop(family_target, tmp_path_factory, request):
     tokenizer = AutoTokenizer.from_pretrained(target)
     expected = {p: hf_greedy(target, tokenizer(p)["input_ids"], TOKENS) for p in WORKLOAD}
     capture = request.config.pluginmanager.getplugin("capturemanager")
-    return run_loop(target, tmp_path_factory.mktemp("demo-loop"), expected, capture)
+    run = DemoLoop(target, tmp_path_factory.mktemp("demo-loop"), expected, capture)
+    request.addfinalizer(run.close)  # a stage that failed, or a session that ends early, stops it all
+    run.advance("adapt")
+    return run
+
+
+@pytest.fixture(scope="session")
+def demo_adapted(demo_recorded):
+    """The demo run on to its end (adapt: judged, promoted, swapped; the results printed): the endpoint live."""
+    demo_recorded.advance("ready")
+    return demo_recorded
+
+
+@pytest.fixture(scope="session")
+def demo_loop(demo_adapted):
+    """The demo done: the live checks on its endpoint (a chat, a drafter that cannot load, continuous mode's
+    round with nothing new, the switch to the hybrid under load), then everything stopped."""
+    demo_adapted.finish()
+    return demo_adapted
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,9 @@ from peagle_ray.eval.metrics import pick_decoder
 from tests.helpers.demo_workload import DEMO_REQUESTS, REPEATS, WORKLOAD, K
 from tests.helpers.mlflow_store import mlflow_client
 
-# the session's demo_loop fixture: its setup counts against the first test using it (test_demo.py's, in the
-# same xdist group), over the 900 s default on a slow day
+# the session's demo run, stage by stage (conftest: demo_recorded, demo_adapted, demo_loop): each stage's setup
+# counts against the first test that needs it (this file's, first in its xdist group), so the tests below come
+# in the order of the stages they check; over the 900 s default on a slow day
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -133,24 +134,21 @@ def test_adapt_refuses_without_a_recording(tmp_path):
         run_adapt(build_config({"serving": {"record_dir": str(tmp_path)}}))
 
 
-def test_adapt_refuses_before_a_version_is_registered_and_with_too_little_traffic(demo_loop):
-    assert "no version of registered model 'peagle-drafter' has the alias 'serving'" in demo_loop.refusals["no alias"]
-    assert "too little new traffic" in demo_loop.refusals["too little traffic"]
-    assert "adapt.min_requests is 10000" in demo_loop.refusals["too little traffic"]
-    # continuous mode's round after the adaptation, on the same recording: nothing new, skipped, still serving
-    assert demo_loop.skipped is None
-    skipped = demo_loop.refusals["no new traffic"]
-    assert "skipped this round: too little new traffic" in skipped and "0 requests recorded after" in skipped
-    assert "the last adaptation read" in skipped
+def test_adapt_refuses_before_a_version_is_registered_and_with_too_little_traffic(demo_recorded):
+    assert (
+        "no version of registered model 'peagle-drafter' has the alias 'serving'" in demo_recorded.refusals["no alias"]
+    )
+    assert "too little new traffic" in demo_recorded.refusals["too little traffic"]
+    assert "adapt.min_requests is 10000" in demo_recorded.refusals["too little traffic"]
 
 
-def test_the_endpoint_records_the_workload_losslessly(demo_loop):
-    recorded = demo_loop.recorded
+def test_the_endpoint_records_the_workload_losslessly(demo_recorded):
+    recorded = demo_recorded.recorded
     assert recorded.ok == len(WORKLOAD) * REPEATS and not recorded.failed and not recorded.mismatched
 
 
-def test_adapt_trains_on_the_recording_and_the_replay_and_judges_losslessly(demo_loop):
-    report = demo_loop.report
+def test_adapt_trains_on_the_recording_and_the_replay_and_judges_losslessly(demo_adapted):
+    report = demo_adapted.report
     assert report.parent_version == "1" and report.version == "2" and report.k == K
     prepared = json.loads((Path(report.json).parent / "data" / "summary.json").read_text())["by_category"]
     assert report.samples == prepared["traffic"] and sum(prepared["user"].values()) == 6  # replay trained too
@@ -164,30 +162,20 @@ def test_adapt_trains_on_the_recording_and_the_replay_and_judges_losslessly(demo
     assert saved["promote"] == report.promote and saved["version"] == "2"
 
 
-def test_the_adapted_drafter_accepts_the_repeated_requests_the_random_one_does_not(demo_loop):
+def test_the_adapted_drafter_accepts_the_repeated_requests_the_random_one_does_not(demo_adapted):
     # held-out requests repeat train prompts (the split is by conversation id, the same in every run): the
     # random parent accepts (almost) nothing, the adapted one learned them
-    heldout = {who: judged.heldout for who, judged in demo_loop.report.measured.items()}
+    heldout = {who: judged.heldout for who, judged in demo_adapted.report.measured.items()}
     assert heldout["new"]["acceptance_per_position"][0] > 0, heldout
     assert heldout["new"]["acceptance_length"] > heldout["parent"]["acceptance_length"], heldout
-    assert demo_loop.report.promote, demo_loop.report.verdict.why
+    assert demo_adapted.report.promote, demo_adapted.report.verdict.why
 
 
-def test_the_promoted_version_is_swapped_in_with_no_request_dropped(demo_loop):
-    report, during = demo_loop.report, demo_loop.during
-    assert report.swapped and during.ok > 0 and during.failed == [] and during.mismatched == []
-    assert demo_loop.stats["version"] == "peagle-drafter/2" and demo_loop.stats["drafter"] == report.export_dir
-    verdict = json.loads((Path(report.export_dir) / "recommendation.json").read_text())  # from held-out timing
-    assert verdict["reason"] in report.recommendation and "over 2 timed prompts" in verdict["reason"]
-    # K is asked for (adapt_cfg): the endpoint drafts whatever the verdict, with the decoder it names or the drafter
-    assert demo_loop.stats["decoder"] == report.decoder == (verdict["decoder"] if verdict["draft"] else "drafter")
-
-
-def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measurements_pick(demo_loop):
+def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measurements_pick(demo_adapted):
     # the held-out requests repeat recorded ones: suffix decoding, warmed up on the recorded training
     # requests, drafts whole answers; the random-then-adapted tiny drafter does not come close. Which is
     # fastest on the tiny target is the timing's to say (tests/test_eval.py plants a faster one)
-    report = demo_loop.report
+    report = demo_adapted.report
     assert set(report.decoders) == {"target", "drafter", "suffix", "hybrid"}
     assert all(row["greedy_mismatches"] == 0 and row["timed_prompts"] == 2 for row in report.decoders.values())
     assert report.decoders["suffix"]["acceptance_length"] > report.decoders["drafter"]["acceptance_length"]
@@ -201,9 +189,62 @@ def test_adapt_judges_suffix_decoding_and_the_hybrid_and_serves_what_the_measure
     assert report.decoder == (picked.decoder if picked.draft else "drafter")
     sources = report.decoders["hybrid"]["by_source"]
     assert sum(s["drafts"] for s in sources.values()) > 0 and sources["suffix"]["accepted_tokens"] > 0
-    tags = mlflow_client(demo_loop.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
+    tags = mlflow_client(demo_adapted.cfg.tracking.tracking_uri).get_registered_model("peagle-drafter").tags
     assert tags["served.decoder"] == report.decoder and tags["served.version"] == "peagle-drafter/2"
     assert tags["served.why"] == report.recommendation and tags["served.k"] == str(K)
+
+
+def test_the_registry_moves_the_alias_and_tags_the_measurements(demo_adapted):
+    client = mlflow_client(demo_adapted.cfg.tracking.tracking_uri)
+    version = client.get_model_version_by_alias("peagle-drafter", "serving")
+    assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"
+    new = demo_adapted.report.measured["new"].heldout["acceptance_length"]
+    assert float(version.tags["adapt/heldout_al"]) == pytest.approx(new)
+    metrics = client.get_run(demo_adapted.report.run_id).data.metrics  # the decoders judged, per source too
+    hybrid = demo_adapted.report.decoders["hybrid"]
+    assert metrics["adapt/decoder_hybrid_speedup"] == pytest.approx(hybrid["speedup"])
+    assert metrics["adapt/hybrid_suffix_drafts"] == hybrid["by_source"]["suffix"]["drafts"]
+
+
+def test_serve_without_a_drafter_serves_the_alias_and_its_recorded_verdict(demo_adapted, tmp_path):
+    from peagle_ray.config import with_values
+    from peagle_ray.layout import drafter_dir
+    from peagle_ray.serve.app import serving_decoder
+    from peagle_ray.serve.registry import default_drafter
+
+    report, cfg = demo_adapted.report, demo_adapted.cfg
+    chosen = default_drafter(cfg)
+    assert chosen.label == "peagle-drafter/2" and str(chosen.directory) == report.served_dir  # served.dir
+    assert "registry peagle-drafter: version 2 holds alias 'serving'" in chosen.why
+    verdict = chosen.drafter.recommendation
+    assert verdict is not None and verdict.reason == f"registry: {report.recommendation}"
+    served = serving_decoder(with_values(cfg, {"serving.drafter_version": chosen.label}), chosen.drafter)
+    assert served.decoder == report.decoder and served.k == K
+    version = mlflow_client(cfg.tracking.tracking_uri).get_model_version("peagle-drafter", "2")
+    assert version.tags["export_dir"] == report.export_dir  # where `serve` finds it on this machine
+    # no registry (no tracking URI, no local store): the training run's export, saying so
+    alone = with_values(cfg, {"tracking.tracking_uri": None, "training.storage_path": str(tmp_path)})
+    shutil.copytree(report.export_dir, drafter_dir(alone))
+    chosen = default_drafter(alone)
+    assert chosen.directory == drafter_dir(alone) and chosen.label is None and chosen.why.endswith("(no registry)")
+
+
+def test_continuous_mode_skips_a_round_with_nothing_new_and_keeps_serving(demo_loop):
+    # continuous mode's round after the adaptation, on the same recording: nothing new, skipped, still serving
+    assert demo_loop.skipped is None
+    skipped = demo_loop.refusals["no new traffic"]
+    assert "skipped this round: too little new traffic" in skipped and "0 requests recorded after" in skipped
+    assert "the last adaptation read" in skipped
+
+
+def test_the_promoted_version_is_swapped_in_with_no_request_dropped(demo_loop):
+    report, during = demo_loop.report, demo_loop.during
+    assert report.swapped and during.ok > 0 and during.failed == [] and during.mismatched == []
+    assert demo_loop.stats["version"] == "peagle-drafter/2" and demo_loop.stats["drafter"] == report.export_dir
+    verdict = json.loads((Path(report.export_dir) / "recommendation.json").read_text())  # from held-out timing
+    assert verdict["reason"] in report.recommendation and "over 2 timed prompts" in verdict["reason"]
+    # K is asked for (adapt_cfg): the endpoint drafts whatever the verdict, with the decoder it names or the drafter
+    assert demo_loop.stats["decoder"] == report.decoder == (verdict["decoder"] if verdict["draft"] else "drafter")
 
 
 def test_the_endpoint_switches_to_the_hybrid_under_load_and_counts_each_source(demo_loop):
@@ -228,18 +269,6 @@ def test_a_drafter_that_cannot_load_leaves_the_served_one_serving(demo_loop):
     assert demo_loop.after_failure["drafts"] >= demo_loop.stats["drafts"] > 0
 
 
-def test_the_registry_moves_the_alias_and_tags_the_measurements(demo_loop):
-    client = mlflow_client(demo_loop.cfg.tracking.tracking_uri)
-    version = client.get_model_version_by_alias("peagle-drafter", "serving")
-    assert str(version.version) == "2" and version.tags["parent_version"] == "1" and version.tags["promoted"] == "True"
-    new = demo_loop.report.measured["new"].heldout["acceptance_length"]
-    assert float(version.tags["adapt/heldout_al"]) == pytest.approx(new)
-    metrics = client.get_run(demo_loop.report.run_id).data.metrics  # the decoders judged, per source too
-    hybrid = demo_loop.report.decoders["hybrid"]
-    assert metrics["adapt/decoder_hybrid_speedup"] == pytest.approx(hybrid["speedup"])
-    assert metrics["adapt/hybrid_suffix_drafts"] == hybrid["by_source"]["suffix"]["drafts"]
-
-
 def test_the_registry_verdict_is_read_only_for_the_version_it_judged():
     from peagle_ray.export.speculators import Recommendation
     from peagle_ray.serve.registry import registry_verdict
@@ -250,26 +279,3 @@ def test_the_registry_verdict_is_read_only_for_the_version_it_judged():
     alone = {**tags, "served.decoder": "target", "served.k": "0"}
     assert registry_verdict(alone, "peagle-drafter/2", 3) == Recommendation(False, 3, "registry: 1.7x")
     assert registry_verdict({}, "peagle-drafter/2", 3) is None
-
-
-def test_serve_without_a_drafter_serves_the_alias_and_its_recorded_verdict(demo_loop, tmp_path):
-    from peagle_ray.config import with_values
-    from peagle_ray.layout import drafter_dir
-    from peagle_ray.serve.app import serving_decoder
-    from peagle_ray.serve.registry import default_drafter
-
-    report, cfg = demo_loop.report, demo_loop.cfg
-    chosen = default_drafter(cfg)
-    assert chosen.label == "peagle-drafter/2" and str(chosen.directory) == report.served_dir  # served.dir
-    assert "registry peagle-drafter: version 2 holds alias 'serving'" in chosen.why
-    verdict = chosen.drafter.recommendation
-    assert verdict is not None and verdict.reason == f"registry: {report.recommendation}"
-    served = serving_decoder(with_values(cfg, {"serving.drafter_version": chosen.label}), chosen.drafter)
-    assert served.decoder == report.decoder and served.k == K
-    version = mlflow_client(cfg.tracking.tracking_uri).get_model_version("peagle-drafter", "2")
-    assert version.tags["export_dir"] == report.export_dir  # where `serve` finds it on this machine
-    # no registry (no tracking URI, no local store): the training run's export, saying so
-    alone = with_values(cfg, {"tracking.tracking_uri": None, "training.storage_path": str(tmp_path)})
-    shutil.copytree(report.export_dir, drafter_dir(alone))
-    chosen = default_drafter(alone)
-    assert chosen.directory == drafter_dir(alone) and chosen.label is None and chosen.why.endswith("(no registry)")

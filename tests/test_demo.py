@@ -15,23 +15,23 @@ import pytest
 from tests.helpers.demo_workload import DEMO_REQUESTS, REPEATS, WORKLOAD, K
 from tests.helpers.mlflow_store import mlflow_client
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # the demo's run is the first test's setup
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # a stage of the demo's run can be a test's setup
 
 
-def test_the_adaptation_judges_both_drafters_losslessly_on_the_heldout_requests(demo_loop):
-    report = demo_loop.outcome.adapt
+def test_the_adaptation_judges_both_drafters_losslessly_on_the_heldout_requests(demo_adapted):
+    report = demo_adapted.outcome.adapt
     # the demo's workload and the narrow one sent at the adapt stage, split by conversation id
     assert sum(report.samples.values()) == DEMO_REQUESTS + len(WORKLOAD) * REPEATS
     for judged in report.measured.values():
         heldout = judged.heldout
         assert heldout["greedy_mismatches"] == 0 and heldout["timed_prompts"] == 2
         assert len(heldout["acceptance_per_position"]) == K and heldout["tokens_per_s"] > 0
-    saved = json.loads(demo_loop.outcome.json.read_text())["adapt"]
+    saved = json.loads(demo_adapted.outcome.json.read_text())["adapt"]
     assert saved["version"] == report.version and saved["measured"]["new"]["heldout"] == report.measured["new"].heldout
 
 
-def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_loop):
-    outcome, out, report = demo_loop.outcome, demo_loop.console, demo_loop.outcome.adapt
+def test_the_console_shows_the_table_the_stages_and_the_endpoint(demo_adapted):
+    outcome, out, report = demo_adapted.outcome, demo_adapted.console, demo_adapted.outcome.adapt
     assert f"| general (v{report.parent_version}) |" in outcome.table
     assert f"| adapted (v{report.version}) |" in outcome.table and outcome.table in out
     assert set(outcome.minutes) == {"target", "data", "general drafter", "workload", "adapt"}
@@ -73,10 +73,10 @@ def test_recording_stays_on_for_the_live_endpoint(demo_loop):
     assert len(recorded) >= 9  # the workload and the question asked of the live endpoint
 
 
-def test_mlflow_holds_both_versions_and_the_training_curve(demo_loop):
-    storage, report = Path(demo_loop.cfg.training.storage_path), demo_loop.outcome.adapt
+def test_mlflow_holds_both_versions_and_the_training_curve(demo_adapted):
+    storage, report = Path(demo_adapted.cfg.training.storage_path), demo_adapted.outcome.adapt
     client = mlflow_client(f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}")
-    versions = client.search_model_versions(f"name = '{demo_loop.cfg.tracking.registered_model}'")
+    versions = client.search_model_versions(f"name = '{demo_adapted.cfg.tracking.registered_model}'")
     assert {str(v.version) for v in versions} == {report.parent_version, report.version}
     runs = {r.info.run_name: r for r in client.search_runs(client.search_experiments()[0].experiment_id)}
     assert "peagle" in runs and client.get_metric_history(runs["peagle"].info.run_id, "train/loss")

@@ -1,12 +1,12 @@
-"""The demo's run, once per test session, with the adaptation loop's live checks inside it (conftest's
-`demo_loop`), for the tests that each check one part (tests/test_demo.py, tests/test_adapt.py,
-tests/test_bench_adapt.py). `peagle-ray demo` on a tiny target of a family users bring (Llama-3.x: llama3
+"""The demo's run, once per test session, with the adaptation loop's live checks inside it, driven stage by
+stage by conftest's demo_recorded, demo_adapted and demo_loop (DemoLoop), for the tests that each check one
+part (tests/test_demo.py, tests/test_adapt.py, tests/test_bench_adapt.py). `peagle-ray demo` on a tiny target of a family users bring (Llama-3.x: llama3
 rope, 128,256 rows, untied head): the built-in suite's prompts (4 of each category) regenerated into data, captured from the
 Serve-hosted target, a general P-EAGLE drafter trained in Ray Train and registered, served with recording on,
-the demo's workload sent through it; then, at the adapt stage (run_demo's on_stage), a narrow workload whose
+the demo's workload sent through it; then, at the adapt stage (demo_steps' "adapt" step), a narrow workload whose
 greedy answers are known is sent and snapshotted, and paced requests flow while `adapt` fine-tunes the
 drafter on it, judges both versions with stock vLLM, promotes and swaps; and, once the demo is done
-(on_ready), a drafter that cannot load is swapped in (and refused), continuous mode's round with no new
+(its "ready" step, _Live.on_ready), a drafter that cannot load is swapped in (and refused), continuous mode's round with no new
 traffic is skipped, and the endpoint switches to the hybrid under load. Real Ray Serve, vLLM, Ray Train,
 MLflow (the demo's own server)."""
 
@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
@@ -31,7 +30,7 @@ import openai
 from peagle_ray.adapt import adapt_cycle, run_adapt
 from peagle_ray.config import ConfigError, PeagleConfig, build_config, with_values
 from peagle_ray.data.suite import CATEGORIES, builtin_conversations
-from peagle_ray.demo import DemoResult, run_demo
+from peagle_ray.demo import DemoResult, demo_steps
 from peagle_ray.serve.app import free_port, swap_drafter
 from tests.helpers.demo_workload import DEMO_REQUESTS, REPEATS, TOKENS, WORKLOAD, K
 
@@ -137,31 +136,6 @@ class Traffic:
         self._thread.join(180)
 
 
-@dataclass
-class DemoLoop:
-    """Everything the session's demo run did, for the tests to check part by part."""
-
-    cfg: PeagleConfig  # the run's config, its tracking URI the MLflow store the demo's server used
-    tmp: Path
-    outcome: DemoResult
-    console: str  # what a person at the console saw
-    answers: list  # the live endpoint's answer to a chat request, then /v1/speculative_stats
-    recorded: Traffic  # the narrow workload, recorded
-    during: Traffic  # paced requests while adapt ran and swapped
-    failing: Traffic  # paced requests while a drafter that cannot load was swapped in
-    stats: dict  # /v1/speculative_stats after the adaptation
-    after_failure: dict  # ... after the failed swap
-    skipped: object  # continuous mode's round with no new traffic (None: skipped)
-    refusals: dict[str, str] = field(default_factory=dict)  # what adapt refused before and during, by case
-    swap_error: str = ""
-    switching: Traffic | None = None  # paced requests while the endpoint switched to the hybrid decoder
-    hybrid_stats: dict = field(default_factory=dict)  # /v1/speculative_stats on the hybrid
-
-    @property
-    def report(self):
-        return self.outcome.adapt
-
-
 def recorded_lines(directory: Path) -> int:
     return sum(1 for f in directory.glob("*.jsonl") for _ in f.open())
 
@@ -258,36 +232,77 @@ class _Live:
         self.hybrid_stats = hybrid_stats
 
 
-def run_loop(target: Path, tmp: Path, expected: dict[str, list[int]], capture_manager=None) -> DemoLoop:
-    """run_demo (no wait) with the hooks above; pytest's `capture_manager` is suspended while it runs, and
-    what a person at the console would see (file descriptors 1 and 2, from any process) is kept."""
-    live = _Live(target, expected)
-    suspended = capture_manager.global_and_fixture_disabled() if capture_manager else contextlib.nullcontext()
-    with suspended, _console() as console:  # pytest's own capture off: print() writes to descriptor 1 again
+class DemoLoop:
+    """The demo's run (demo.demo_steps) driven stage by stage by the session's fixtures (conftest: demo_recorded,
+    demo_adapted, demo_loop), with _Live's checks at each step, so that each stage's tests run once it is done
+    and no test's setup waits for the whole run. pytest's `capture_manager` is suspended while the demo runs,
+    and what a person at the console would see (file descriptors 1 and 2, from any process) is kept."""
+
+    def __init__(self, target: Path, tmp: Path, expected: dict[str, list[int]], capture_manager=None):
+        self.tmp = tmp
+        self.live = _Live(target, expected)
+        self.steps = demo_steps(demo_cfg(tmp, target))
+        self.capture_manager = capture_manager
+        self.console = ""  # what a person at the console saw, so far
+        self.outcome: DemoResult | None = None
+        self.url: str | None = None
+
+    def advance(self, until: str) -> None:
+        """Run the demo to its step `until` ("adapt" or "ready"), doing the checks of the steps on the way."""
+        with self._watched():
+            for step in self.steps:
+                self.url = step.url
+                if step.name in ("data", "adapt"):
+                    self.live.on_stage(step.name, step.cfg, step.url)
+                self.outcome = step.result
+                if step.name == until:
+                    return
+        raise AssertionError(f"the demo ended before its step {until!r}")
+
+    def finish(self) -> None:
+        """The live checks on the finished demo's endpoint (_Live.on_ready), then the demo run to its end (the
+        endpoint, Ray and MLflow stopped)."""
+        assert self.url is not None, "finish() before advance('ready')"
+        with self._watched():
+            try:
+                self.live.on_ready(self.url)
+                next(self.steps, None)  # the demo's end: the endpoint, Ray and MLflow stopped
+            finally:
+                self.close()
+
+    def close(self) -> None:
+        self.live.end_during()
+        self.steps.close()
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """pytest's own capture off (print() writes to descriptor 1 again), descriptors 1 and 2 kept as the
+        console (console.txt, also when a stage fails)."""
+        manager = self.capture_manager
+        suspended = manager.global_and_fixture_disabled() if manager else contextlib.nullcontext()
+        console = _Captured()
         try:
-            outcome = run_demo(demo_cfg(tmp, target), wait=False, on_ready=live.on_ready, on_stage=live.on_stage)
+            with suspended, _console() as console:
+                yield
         finally:
-            live.end_during()
-    (tmp / "console.txt").write_text(console.text)
-    assert live.cfg is not None and live.recorded and live.during and live.failing and live.switching
-    storage = Path(live.cfg.training.storage_path)
-    return DemoLoop(
-        cfg=with_values(live.cfg, {"tracking.tracking_uri": f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}"}),
-        tmp=tmp,
-        outcome=outcome,
-        console=console.text,
-        answers=live.answers,
-        recorded=live.recorded,
-        during=live.during,
-        failing=live.failing,
-        stats=live.stats,
-        after_failure=live.after_failure,
-        skipped=live.skipped,
-        refusals=live.refusals,
-        swap_error=live.swap_error,
-        switching=live.switching,
-        hybrid_stats=live.hybrid_stats,
-    )
+            self.console += console.text
+            (self.tmp / "console.txt").write_text(self.console)
+
+    @property
+    def cfg(self) -> PeagleConfig:
+        """The run's config, its tracking URI the MLflow store itself (readable after the demo's server stopped)."""
+        cfg = self.live.cfg
+        assert cfg is not None
+        storage = Path(cfg.training.storage_path)
+        return with_values(cfg, {"tracking.tracking_uri": f"sqlite:///{storage / 'mlflow' / 'mlflow.db'}"})
+
+    @property
+    def report(self):
+        assert self.outcome is not None
+        return self.outcome.adapt
+
+    def __getattr__(self, name: str):  # what _Live saw and sent: recorded, during, stats, refusals, ...
+        return getattr(self.__dict__["live"], name)
 
 
 class _Captured:

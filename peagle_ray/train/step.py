@@ -299,7 +299,7 @@ def sample_elements(seq: TrainSequence, drafter_cfg: DrafterConfig, generator: t
     )
 
 
-def sampled_sequence_backward(
+def sampled_sequence_pass(
     drafter: Drafter,
     teacher: Teacher,
     seq: TrainSequence,
@@ -310,11 +310,11 @@ def sampled_sequence_backward(
     backward: bool = True,
     loss_module: torch.nn.Module | None = None,
     sync: bool = True,
-) -> StepStats:
-    """A fresh COD sampling of `seq`, then sequence_backward with the training config's segment length, depth
+) -> PendingStats:
+    """A fresh COD sampling of `seq`, then sequence_pass with the training config's segment length, depth
     weights and precision (the training step, and validation with backward=False); `loss_module` and `sync`
     as there."""
-    return sequence_backward(
+    return sequence_pass(
         drafter,
         teacher,
         seq,
@@ -328,6 +328,11 @@ def sampled_sequence_backward(
         sync=sync,
         loss_kind=cfg.loss,
     )
+
+
+def sampled_sequence_backward(*args, **kwargs) -> StepStats:
+    """sampled_sequence_pass (same arguments), its stats read from the device."""
+    return PendingStats.total([sampled_sequence_pass(*args, **kwargs)])
 
 
 def with_feature_noise(seq: TrainSequence, scale: float, generator: torch.Generator) -> TrainSequence:
@@ -386,19 +391,7 @@ def train_step(
         last = n == len(sequences) - 1
         scale = 1.0 / len(sequences)
         pending.append(
-            sequence_pass(
-                drafter,
-                teacher,
-                seq,
-                sample_elements(seq, drafter_cfg, generator),
-                cfg.segment_length,
-                cfg.depth_weights,
-                scale,
-                bf16=cfg.precision == "bfloat16",
-                loss_module=loss_module,
-                sync=last,
-                loss_kind=cfg.loss,
-            )  # fmt: skip
+            sampled_sequence_pass(drafter, teacher, seq, drafter_cfg, cfg, generator, scale, True, loss_module, last)
         )
     params = [p for p in drafter.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

@@ -10,6 +10,7 @@ e.g. `steps: Annotated[int, Opt("Optimizer steps per variant.")] = 100` -> `--st
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
 from collections import abc
@@ -37,8 +38,9 @@ class Opt:
     variants: bool = False
 
 
+@functools.cache
 def module_source(module: str) -> ast.Module:
-    """A module's syntax tree, read without importing it (its package's __init__ is imported)."""
+    """A module's syntax tree, read without importing it (its package's __init__ is imported); read once."""
     import importlib.util
 
     spec = importlib.util.find_spec(module)

@@ -65,17 +65,14 @@ def count_step(
     """One train_step of `sequences` random sequences of `seq_len` positions (two documents each) on the meta
     device, at drafter shape `shape` (bench/shapes.py SHAPES): its reads, copies and segments. Counted at the
     second step: the first also moves what stays on the device (each attention's rotary frequencies)."""
-    from peagle_ray.bench.shapes import SHAPES
+    from peagle_ray.bench.shapes import random_sequence, shape_arch
     from peagle_ray.config import PeagleConfig, with_values
-    from peagle_ray.drafter.model import Drafter, DrafterArch
+    from peagle_ray.drafter.model import Drafter
     from peagle_ray.drafter.teacher import Teacher
     from peagle_ray.train.elements import TrainSequence
     from peagle_ray.train.step import make_optimizer, train_step
 
-    fields = SHAPES[shape]
-    arch = DrafterArch(algorithm=algorithm, num_depths=depths, num_layers=1, num_aux=3,
-                       draft_vocab_size=min(32768, fields["vocab_size"]),
-                       mask_token_id=fields["vocab_size"] - 1 if algorithm == "peagle" else None, **fields)  # fmt: skip
+    arch = shape_arch(shape, depths, 32768, 1, algorithm)
     cfg = with_values(
         PeagleConfig(),
         {"drafter.algorithm": algorithm, "drafter.num_depths": depths, "training.segment_length": segment_length,
@@ -86,20 +83,8 @@ def count_step(
         drafter = Drafter(arch)
         teacher = Teacher(torch.ones(arch.hidden_size), torch.zeros(arch.draft_vocab_size, arch.hidden_size), 1e-6)
     optimizer, scheduler = make_optimizer(drafter, cfg.training)
-    batch = []
-    for _ in range(sequences):
-        docs = []
-        for doc, length in enumerate((seq_len // 2 + 1, seq_len - seq_len // 2 + 1)):
-            docs.append(
-                TrainSequence.from_record(
-                    torch.randint(0, arch.vocab_size - 1, (length,), generator=g),
-                    torch.ones(length, dtype=torch.bool),
-                    torch.randn(length, arch.num_aux * arch.hidden_size, generator=g),
-                    torch.randn(length, arch.hidden_size, generator=g),
-                    doc_id=doc,
-                )
-            )
-        batch.append(TrainSequence.pack(docs))
+    halves = (seq_len // 2, seq_len - seq_len // 2)  # two documents per sequence
+    batch = [TrainSequence.pack([random_sequence(arch, n, g) for n in halves]) for _ in range(sequences)]
     with HostSyncs():  # (its reads answered: meta tensors hold no values)
         train_step(drafter, teacher, optimizer, scheduler, batch, cfg.drafter, cfg.training, g)  # moves what stays
     counter = HostSyncs()

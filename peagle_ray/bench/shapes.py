@@ -86,6 +86,23 @@ def bench_arch(
     )
 
 
+def shape_arch(
+    shape: str, depths: int, draft_vocab_size: int, layers: int, algorithm: Algorithm = "peagle"
+) -> DrafterArch:
+    """A drafter arch at SHAPES[shape], 3 aux layers, the draft vocabulary capped at the target's, the mask
+    token (P-EAGLE) its last row."""
+    fields = SHAPES[shape]
+    return DrafterArch(
+        algorithm=algorithm,
+        num_depths=depths,
+        num_layers=layers,
+        num_aux=3,
+        draft_vocab_size=min(draft_vocab_size, fields["vocab_size"]),
+        mask_token_id=fields["vocab_size"] - 1 if algorithm == "peagle" else None,
+        **fields,
+    )
+
+
 def random_drafter(arch: DrafterArch, seed: int = 0) -> tuple[Drafter, Teacher]:
     """Random weights at a realistic scale (timing and memory do not depend on the values)."""
     g, std = torch.Generator().manual_seed(seed), DrafterConfig().init_std

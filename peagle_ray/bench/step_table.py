@@ -22,24 +22,11 @@ from typing import Annotated, Any
 
 import torch
 
-from peagle_ray.bench.shapes import SHAPES
+from peagle_ray.bench.shapes import shape_arch
 from peagle_ray.config import PeagleConfig, with_values
 from peagle_ray.drafter.model import Drafter, DrafterArch
 from peagle_ray.drafter.teacher import Teacher
 from peagle_ray.options import Opt
-
-
-def shape_arch(shape: str, depths: int, draft_vocab_size: int, layers: int) -> DrafterArch:
-    fields = SHAPES[shape]
-    return DrafterArch(
-        algorithm="peagle",
-        num_depths=depths,
-        num_layers=layers,
-        num_aux=3,
-        draft_vocab_size=min(draft_vocab_size, fields["vocab_size"]),
-        mask_token_id=fields["vocab_size"] - 1,
-        **fields,
-    )
 
 
 def step_config(depths: int, segment_length: int, bf16: bool) -> PeagleConfig:

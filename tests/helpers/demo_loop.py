@@ -267,6 +267,8 @@ class DemoLoop:
             try:
                 self.live.on_ready(self.url)
                 next(self.steps, None)  # the demo's end: the endpoint, Ray and MLflow stopped
+                live = self.live
+                assert live.cfg is not None and live.recorded and live.during and live.failing and live.switching
             finally:
                 self.close()
 
